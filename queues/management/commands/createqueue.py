@@ -1,0 +1,33 @@
+import json
+import time
+
+from django.core.exceptions import ValidationError
+from django.core.management.base import BaseCommand, CommandError
+
+from queues.runtime import get_store
+from queues.services import describe_queue, save_queue, validation_messages
+
+
+class Command(BaseCommand):
+    help = "Create a queue, or change only the given settings of an existing one; prints it as JSON."
+
+    def add_arguments(self, parser):
+        parser.add_argument("name")
+        parser.add_argument("--lease-seconds", type=int)
+        parser.add_argument("--queue-seconds", type=int)
+        parser.add_argument("--retain-seconds", type=int)
+        parser.add_argument("--retain-from", choices=["finished", "fetched"])
+        paused = parser.add_mutually_exclusive_group()
+        paused.add_argument("--paused", dest="paused", action="store_true", default=None)
+        paused.add_argument("--unpaused", dest="paused", action="store_false")
+
+    def handle(self, *args, name, **options):
+        fields = ("lease_seconds", "queue_seconds", "retain_seconds", "retain_from", "paused")
+        changes = {field: options[field] for field in fields if options.get(field) is not None}
+        try:
+            queue = save_queue(name, **changes)
+        except ValidationError as exc:
+            raise CommandError(validation_messages(exc)) from exc
+        config = queue.config()
+        counts = get_store().count_items(queue=config.name)
+        self.stdout.write(json.dumps(describe_queue(config, counts, time.time())))

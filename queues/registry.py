@@ -1,0 +1,101 @@
+"""Queue settings and API tokens as the hot paths see them: kept in memory and reloaded from the
+database at most once a second, so no request or frame makes an ORM call, and a change made in the
+admin reaches every server process within a second."""
+
+import asyncio
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from django.db import close_old_connections
+from django.utils import timezone
+
+from .models import ApiToken, Queue, hash_token
+from .store import QueueConfig
+
+MAX_AGE_SECONDS = 1.0
+
+
+@dataclass(frozen=True)
+class TokenGrant:
+    """What one API token may do."""
+
+    id: int
+    name: str
+    can_produce: bool
+    can_work: bool
+    queues: frozenset[str]  # empty: every queue
+
+    def may_see(self, queue: str) -> bool:
+        return not self.queues or queue in self.queues
+
+    def may(self, right: str, queue: str) -> bool:
+        allowed = self.can_produce if right == "produce" else self.can_work
+        return allowed and self.may_see(queue)
+
+
+class Registry:
+    def __init__(self, *, max_age: float = MAX_AGE_SECONDS):
+        self.max_age = max_age
+        self._queues: dict[str, QueueConfig] = {}
+        self._tokens: dict[str, TokenGrant] = {}
+        self._loaded_at = float("-inf")
+        self._used: set[int] = set()
+        self._lock = threading.Lock()
+        # one thread for every database read, so the hot path never waits on a new connection
+        self._db_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="registry")
+        self._refreshing: asyncio.Future | None = None
+
+    @property
+    def stale(self) -> bool:
+        return time.monotonic() - self._loaded_at > self.max_age
+
+    def load(self) -> None:
+        """Read every queue and token (and record which tokens were used since last time)."""
+        close_old_connections()
+        try:
+            used, self._used = self._used, set()
+            if used:
+                ApiToken.objects.filter(id__in=used).update(last_used_at=timezone.now())
+            queues = {q.name: q.config() for q in Queue.objects.all()}
+            tokens = {
+                t.token_hash: TokenGrant(t.id, t.name, t.can_produce, t.can_work, frozenset(t.queues or ()))
+                for t in ApiToken.objects.all()
+            }
+        finally:
+            close_old_connections()
+        with self._lock:
+            self._queues, self._tokens = queues, tokens
+            self._loaded_at = time.monotonic()
+
+    def refresh(self) -> None:
+        if self.stale:
+            self._db_thread.submit(self.load).result()
+
+    async def arefresh(self) -> None:
+        """Reload if stale; concurrent callers share one reload."""
+        if not self.stale:
+            return
+        if self._refreshing is None or self._refreshing.done():
+            loop = asyncio.get_running_loop()
+            self._refreshing = loop.run_in_executor(self._db_thread, self.load)
+        await asyncio.shield(self._refreshing)
+
+    def queue(self, name: str) -> QueueConfig | None:
+        return self._queues.get(name)
+
+    def queues(self) -> list[QueueConfig]:
+        return sorted(self._queues.values(), key=lambda q: q.name)
+
+    def authenticate(self, raw: str | None) -> TokenGrant | None:
+        if not raw:
+            return None
+        grant = self._tokens.get(hash_token(raw))
+        if grant is not None:
+            self._used.add(grant.id)
+        return grant
+
+    def invalidate(self) -> None:
+        """Forget what is cached (tests, and this process's own admin changes)."""
+        self._loaded_at = float("-inf")

@@ -1,0 +1,58 @@
+"""Queue records and their directories, kept in step."""
+
+from django.core.exceptions import ValidationError
+from django.db import transaction
+
+from .models import Queue
+from .runtime import get_store
+from .store import Counts, QueueConfig
+
+SETTING_FIELDS = ("lease_seconds", "queue_seconds", "retain_seconds", "retain_from", "paused")
+
+
+def save_queue(name: str, **changes) -> Queue:
+    """Create the queue, or change only the given settings of an existing one.
+    Raises ValidationError with a message per bad field; nothing is saved then."""
+    unknown = set(changes) - set(SETTING_FIELDS)
+    if unknown:
+        raise ValueError(f"unknown queue settings: {sorted(unknown)}")
+    with transaction.atomic():
+        queue = Queue.objects.select_for_update().filter(name=name).first() or Queue(name=name)
+        for field, value in changes.items():
+            setattr(queue, field, value)
+        queue.full_clean()
+        queue.save()
+    get_store().ensure_queue(queue.name)
+    return queue
+
+
+def delete_queue(queue: Queue) -> None:
+    """Delete the queue and every item in it."""
+    queue.delete()
+    get_store().delete_queue(queue.name)
+
+
+def describe_queue(config: QueueConfig, counts: Counts, now: float) -> dict:
+    """A queue as the API shows it."""
+    oldest = counts.oldest_pending_posted_at
+    return {
+        "name": config.name,
+        "leaseSeconds": config.lease_seconds,
+        "queueSeconds": config.queue_seconds,
+        "retainSeconds": config.retain_seconds,
+        "retainFrom": config.retain_from,
+        "paused": config.paused,
+        "counts": {
+            "pending": counts.pending,
+            "processing": counts.processing,
+            "finished": counts.finished,
+            "failed": counts.failed,
+        },
+        "oldestPendingAgeSeconds": None if oldest is None else round(max(0.0, now - oldest), 3),
+    }
+
+
+def validation_messages(error: ValidationError) -> str:
+    if hasattr(error, "message_dict"):
+        return "; ".join(f"{field}: {' '.join(msgs)}" for field, msgs in error.message_dict.items())
+    return " ".join(error.messages)

@@ -1,0 +1,800 @@
+"""The file store: the only code that touches the data directory.
+
+Layout: `<data_dir>/<queue>/tmp|pending|processing|done|quarantine/<id>.json`, plus `<queue>/.lock`
+and `<queue>/stats/<minute>.<finished|failed>`, whose size is how many items ended that minute.
+The directory a file is in is the item's state. Every write goes to `tmp/` first and is moved into
+place by rename (or by link, where "only if absent" matters), so no reader ever sees half a file.
+
+Every transition of one item runs under that item's lock (`_ItemLocks`), so transitions from any
+number of threads and processes are serialised per item; a lost race shows up as a missing file
+and is a normal outcome.
+
+What the file system itself records, so that the sweep never has to read a file to decide:
+- the posting time is in the id (UUIDv7), so aged items are found by name;
+- a processing file's mtime is its lease expiry;
+- a done file's mtime is when its retention clock started, and its group-read bit says it has been
+  fetched (retainFrom `fetched` never deletes an unfetched item).
+"""
+
+import fcntl
+import heapq
+import json
+import os
+import re
+import secrets
+import shutil
+import stat
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from . import ids
+from .exceptions import (
+    InvalidRequest,
+    ItemNotFound,
+    NotHeld,
+    PayloadTooLarge,
+    StorageUnavailable,
+    UnknownQueue,
+    UnsafePath,
+)
+
+QUEUE_NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,63}")
+STATE_DIRS = ("tmp", "pending", "processing", "done", "quarantine", "stats")
+RETAIN_FROM = ("finished", "fetched")
+MAX_BATCH = 1000
+STALE_TMP_SECONDS = 3600
+
+_UNFETCHED_MODE = 0o600
+_FETCHED_MODE = 0o640  # the group-read bit marks a done item as fetched
+_LOCK_STRIPES = 256
+
+
+def is_valid_queue_name(name: object) -> bool:
+    return isinstance(name, str) and QUEUE_NAME.fullmatch(name) is not None
+
+
+@dataclass(frozen=True)
+class QueueConfig:
+    """A queue's settings as the store needs them (the database owns the real record)."""
+
+    name: str
+    lease_seconds: int = 60
+    queue_seconds: int = 86400
+    retain_seconds: int = 3600
+    retain_from: str = "finished"
+    paused: bool = False
+
+
+@dataclass(frozen=True)
+class Item:
+    id: str
+    queue: str
+    status: str
+    attempts: int = 0
+    claimed_at: float | None = None
+    lease_expires_at: float | None = None
+    finished_at: float | None = None
+    payload: Any = None
+    result: Any = None
+    error: str | None = None
+    claim_token: str | None = field(default=None, repr=False)
+
+    @property
+    def posted_at(self) -> float:
+        return ids.id_millis(self.id) / 1000
+
+    @property
+    def terminal(self) -> bool:
+        return self.status in ("finished", "failed")
+
+    def to_json(self, *, payload: bool = False) -> dict:
+        """The item as the API shows it."""
+        data = {
+            "id": self.id,
+            "queue": self.queue,
+            "status": self.status,
+            "attempts": self.attempts,
+            "postedAt": ids.iso(self.posted_at),
+            "claimedAt": ids.iso(self.claimed_at),
+            "leaseExpiresAt": ids.iso(self.lease_expires_at),
+            "finishedAt": ids.iso(self.finished_at),
+        }
+        if self.status == "finished":
+            data["result"] = self.result
+        if self.status == "failed":
+            data["error"] = self.error
+        if payload:
+            data["payload"] = self.payload
+        return data
+
+
+@dataclass(frozen=True)
+class FinishOutcome:
+    id: str
+    accepted: bool
+    status: str
+
+
+@dataclass(frozen=True)
+class Counts:
+    pending: int
+    processing: int
+    finished: int
+    failed: int
+    oldest_pending_posted_at: float | None
+
+
+@dataclass(frozen=True)
+class ItemSummary:
+    """One line of a listing: what can be told without reading the file."""
+
+    id: str
+    state: str
+    posted_at: float
+    modified_at: float
+
+
+def _encode(item: Item) -> bytes:
+    record = item.to_json(payload=True)
+    record["result"] = item.result
+    record["error"] = item.error
+    record["claimToken"] = item.claim_token
+    return json.dumps(record, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def _decode(raw: bytes, *, state: str) -> Item:
+    record = json.loads(raw)
+    status = record.get("status") if state == "done" else state
+    if status not in ("pending", "processing", "finished", "failed"):
+        raise ValueError(f"bad status {status!r}")
+    processing = state == "processing"
+    return Item(
+        id=record["id"],
+        queue=record["queue"],
+        status=status,
+        attempts=int(record.get("attempts", 0)),
+        claimed_at=ids.parse_iso(record.get("claimedAt")),
+        # a file moved but not yet rewritten (a crash mid-transition) shows its directory's truth
+        lease_expires_at=ids.parse_iso(record.get("leaseExpiresAt")) if processing else None,
+        finished_at=ids.parse_iso(record.get("finishedAt")) if state == "done" else None,
+        payload=record.get("payload"),
+        result=record.get("result"),
+        error=record.get("error"),
+        claim_token=record.get("claimToken") if processing else None,
+    )
+
+
+class _ItemLocks:
+    """Serialises transitions of one item across threads and processes.
+
+    Each queue has one lock file; an item maps to one byte of it (striped by id). A thread lock
+    per stripe excludes threads of this process (POSIX record locks are per process), a record
+    lock on the byte excludes other processes, and the kernel drops it if the process dies.
+    """
+
+    def __init__(self, path: Path):
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        self._threads = [threading.Lock() for _ in range(_LOCK_STRIPES)]
+
+    @contextmanager
+    def hold(self, item_id: str) -> Iterator[None]:
+
+        stripe = int(item_id[-2:], 16) % _LOCK_STRIPES  # the same in every process, unlike hash()
+        with self._threads[stripe]:
+            fcntl.lockf(self._fd, fcntl.LOCK_EX, 1, stripe)
+            try:
+                yield
+            finally:
+                fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, stripe)
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
+class _PendingIndex:
+    """This process's view of a queue's pending ids, oldest first, so a claim never lists the
+    directory. Items posted or re-queued here are pushed as they go; the directory is re-read when
+    the index runs dry, and now and then (rarely for a large directory) to pick up items that
+    other processes posted or re-queued."""
+
+    def __init__(self, directory: Path):
+        self._directory = directory
+        self._heap: list[str] = []
+        self._lock = threading.Lock()
+        self._next_refresh = 0.0
+
+    def push(self, item_ids: Iterable[str]) -> None:
+        with self._lock:
+            for item_id in item_ids:
+                heapq.heappush(self._heap, item_id)
+
+    def pop(self) -> str | None:
+        with self._lock:
+            if not self._heap or time.monotonic() >= self._next_refresh:
+                self._refresh()
+            return heapq.heappop(self._heap) if self._heap else None
+
+    def _refresh(self) -> None:
+        started = time.monotonic()
+        try:
+            names = os.listdir(self._directory)
+        except FileNotFoundError:
+            names = []
+        self._heap = [name[:-5] for name in names if name.endswith(".json")]
+        heapq.heapify(self._heap)
+        took = time.monotonic() - started
+        self._next_refresh = time.monotonic() + max(1.0, 50 * took)
+
+
+class Store:
+    """Owns `data_dir`. Every public method is one transition or one read, safe to call from any
+    thread of any process sharing the directory."""
+
+    def __init__(
+        self,
+        data_dir: str | Path,
+        *,
+        fsync: bool = True,
+        max_payload_bytes: int = 1 << 20,
+        clock: Callable[[], float] = time.time,
+    ):
+        self.data_dir = Path(data_dir)
+        self.fsync = fsync
+        self.max_payload_bytes = max_payload_bytes
+        self.clock = clock
+        self._ids = ids.IdMaker()
+        self._locks: dict[str, _ItemLocks] = {}
+        self._indexes: dict[str, _PendingIndex] = {}
+        self._done_status: dict[str, dict[str, str]] = {}  # queue -> id -> finished|failed
+        self._ready: set[str] = set()  # queues whose directories exist
+        self._setup_lock = threading.Lock()
+
+    # ---- paths: the only place a path is built -------------------------------------------
+
+    def _queue_dir(self, queue: str) -> Path:
+        if not is_valid_queue_name(queue):
+            raise UnsafePath(f"bad queue name {queue!r}")
+        return self.data_dir / queue
+
+    def _path(self, queue: str, state: str, item_id: str) -> Path:
+        if state not in STATE_DIRS or not ids.is_valid_id(item_id):
+            raise UnsafePath(f"bad state or id {state!r} {item_id!r}")
+        return self._queue_dir(queue) / state / f"{item_id}.json"
+
+    def _dir(self, queue: str, state: str) -> Path:
+        if state not in STATE_DIRS:
+            raise UnsafePath(f"bad state {state!r}")
+        return self._queue_dir(queue) / state
+
+    # ---- queues --------------------------------------------------------------------------
+
+    def ensure_queue(self, queue: str) -> None:
+        """Make the queue's directories; a no-op when they exist."""
+        if not is_valid_queue_name(queue):
+            raise InvalidRequest(
+                "a queue name is 1 to 64 characters of a-z, 0-9, '_' and '-', "
+                "starting with a letter or digit"
+            )
+        if queue in self._ready:
+            return
+        with self._storage_errors():
+            for state in STATE_DIRS:
+                self._dir(queue, state).mkdir(parents=True, exist_ok=True)
+        self._ready.add(queue)
+
+    def delete_queue(self, queue: str) -> None:
+        """Delete the queue's directory and every item in it."""
+
+
+        with self._setup_lock:
+            locks = self._locks.pop(queue, None)
+            self._indexes.pop(queue, None)
+            self._done_status.pop(queue, None)
+            self._ready.discard(queue)
+        if locks:
+            locks.close()
+        shutil.rmtree(self._queue_dir(queue), ignore_errors=True)
+
+    def _item_lock(self, queue: str, item_id: str):
+        locks = self._locks.get(queue)
+        if locks is None:
+            with self._setup_lock:
+                locks = self._locks.get(queue)
+                if locks is None:
+                    self.ensure_queue(queue)
+                    locks = self._locks[queue] = _ItemLocks(self._queue_dir(queue) / ".lock")
+        return locks.hold(item_id)
+
+    def _index(self, queue: str) -> _PendingIndex:
+        index = self._indexes.get(queue)
+        if index is None:
+            with self._setup_lock:
+                index = self._indexes.setdefault(queue, _PendingIndex(self._dir(queue, "pending")))
+        return index
+
+    # ---- low-level file operations --------------------------------------------------------
+
+    @contextmanager
+    def _storage_errors(self) -> Iterator[None]:
+        try:
+            yield
+        except OSError as exc:
+            if isinstance(exc, (FileNotFoundError, FileExistsError)):
+                raise
+            raise StorageUnavailable(f"the data directory cannot be written: {exc.strerror}") from exc
+
+    def _write_tmp(self, queue: str, item: Item, *, mode: int = 0o600, mtime: float | None = None) -> Path:
+        """Write `item` to a fresh file in tmp/ (flushed to disk when fsync is on)."""
+        tmp = self._dir(queue, "tmp") / f"{item.id}.{secrets.token_hex(6)}.json"
+        data = _encode(item)
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+            try:
+                os.write(fd, data)
+                if mtime is not None:
+                    os.utime(fd, (mtime, mtime))
+                if self.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+        except BaseException:
+            _unlink_quietly(tmp)
+            raise
+        return tmp
+
+    def _sync_dir(self, directory: Path) -> None:
+        if self.fsync:
+            fd = os.open(directory, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+    def _read(self, queue: str, state: str, item_id: str) -> Item:
+        """Read one file; FileNotFoundError if it is not there, quarantined if unreadable."""
+        path = self._path(queue, state, item_id)
+        with open(path, "rb") as handle:
+            raw = handle.read()
+        try:
+            item = _decode(raw, state=state)
+            if item.id != item_id or item.queue != queue:
+                raise ValueError("id or queue does not match the file name")
+            return item
+        except (ValueError, KeyError, TypeError) as exc:
+            self.quarantine(queue=queue, state=state, item_id=item_id)
+            raise FileNotFoundError(path) from exc
+
+    def _find(self, queue: str, item_id: str) -> tuple[str, Item]:
+        """The item's state and content, done first (done wins over a stray copy). Call under the
+        item's lock."""
+        for state in ("done", "processing", "pending"):
+            try:
+                return state, self._read(queue, state, item_id)
+            except FileNotFoundError:
+                continue
+        raise ItemNotFound(f"no item {item_id} in queue {queue}")
+
+    def _rewrite(self, queue: str, state: str, item: Item, *, mtime: float | None = None) -> None:
+        """Replace the item's file in `state` atomically with new content."""
+        tmp = self._write_tmp(queue, item, mtime=mtime)
+        try:
+            os.rename(tmp, self._path(queue, state, item.id))
+        except BaseException:
+            _unlink_quietly(tmp)
+            raise
+
+    def _move(self, queue: str, item_id: str, source: str, target: str) -> None:
+        os.rename(self._path(queue, source, item_id), self._path(queue, target, item_id))
+
+    def _check_size(self, value: Any, what: str) -> None:
+        try:
+            size = len(json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode())
+        except (TypeError, ValueError) as exc:
+            raise InvalidRequest(f"the {what} is not a JSON value") from exc
+        if size > self.max_payload_bytes:
+            raise PayloadTooLarge(
+                f"the {what} is {size} bytes as JSON; the limit is {self.max_payload_bytes}"
+            )
+
+    def _valid_id(self, queue: str, item_id: str) -> None:
+        if not is_valid_queue_name(queue):
+            raise UnknownQueue(f"no queue named {str(queue)[:80]!r}")
+        if not ids.is_valid_id(item_id):
+            raise ItemNotFound("no item has this id")
+
+    # ---- transitions ----------------------------------------------------------------------
+
+    def post_items(self, *, queue: str, payloads: list[Any]) -> list[Item]:
+        """Post a batch, all or nothing: each file is written to tmp/ first, and only when all
+        are written are they moved to pending/."""
+        if not isinstance(payloads, list) or not 1 <= len(payloads) <= MAX_BATCH:
+            raise InvalidRequest(f"a batch holds 1 to {MAX_BATCH} items")
+        for payload in payloads:
+            self._check_size(payload, "payload")
+        self.ensure_queue(queue)
+        new_ids = self._ids.new_ids(len(payloads), self.clock())
+        items = [Item(id=i, queue=queue, status="pending", payload=p) for i, p in zip(new_ids, payloads)]
+        written: list[Path] = []
+        moved: list[Path] = []
+        try:
+            with self._storage_errors():
+                for item in items:
+                    written.append(self._write_tmp(queue, item))
+                for item, tmp in zip(items, written):
+                    target = self._path(queue, "pending", item.id)
+                    os.rename(tmp, target)
+                    moved.append(target)
+                self._sync_dir(self._dir(queue, "pending"))
+        except BaseException:
+            for path in written + moved:
+                _unlink_quietly(path)
+            raise
+        self._index(queue).push(item.id for item in items)
+        return items
+
+    def claim_items(self, *, config: QueueConfig, max_items: int = 1) -> list[Item]:
+        """Claim up to `max_items` pending items, oldest first, each under a lease and a claim
+        token of its own. A paused queue hands out nothing."""
+        if config.paused:
+            return []
+        queue = config.name
+        self.ensure_queue(queue)
+        index = self._index(queue)
+        claimed: list[Item] = []
+        while len(claimed) < max_items:
+            item_id = index.pop()
+            if item_id is None:
+                break
+            if not ids.is_valid_id(item_id):
+                continue
+            with self._item_lock(queue, item_id), self._storage_errors():
+                try:
+                    self._move(queue, item_id, "pending", "processing")
+                    item = self._read(queue, "processing", item_id)
+                except FileNotFoundError:
+                    continue  # another claimant was first: try the next one
+                now = self.clock()
+                if now - item.posted_at > config.queue_seconds:
+                    self._fail_timed_out(queue, "processing", item, now)
+                    continue
+                item = replace(
+                    item,
+                    status="processing",
+                    attempts=item.attempts + 1,
+                    claimed_at=now,
+                    lease_expires_at=now + config.lease_seconds,
+                    claim_token=secrets.token_hex(16),
+                )
+                self._rewrite(queue, "processing", item, mtime=item.lease_expires_at)
+            claimed.append(item)
+        return claimed
+
+    def finish_item(self, *, config: QueueConfig, item_id: str, result: Any) -> FinishOutcome:
+        """Hand in a result. The first result for an item that is not terminal wins (G3, G4);
+        an item past its queue timeout is failed instead (G6)."""
+        queue = config.name
+        self._valid_id(queue, item_id)
+        self._check_size(result, "result")
+        with self._item_lock(queue, item_id), self._storage_errors():
+            state, item = self._find(queue, item_id)
+            if state == "done":
+                return FinishOutcome(item_id, False, item.status)
+            now = self.clock()
+            if now - item.posted_at > config.queue_seconds:
+                self._fail_timed_out(queue, state, item, now)
+                return FinishOutcome(item_id, False, "failed")
+            finished = replace(
+                item, status="finished", lease_expires_at=None, finished_at=now, result=result, claim_token=None
+            )
+            accepted = self._put_done(queue, state, finished)
+            return FinishOutcome(item_id, accepted, "finished" if accepted else self._done_status_of(queue, item_id))
+
+    def _put_done(self, queue: str, source: str, item: Item) -> bool:
+        """Move `item` to done/ with its new content; False if done/ already had it."""
+        tmp = self._write_tmp(queue, item, mode=_UNFETCHED_MODE, mtime=item.finished_at)
+        try:
+            os.link(tmp, self._path(queue, "done", item.id))
+        except FileExistsError:
+            return False
+        finally:
+            _unlink_quietly(tmp)
+        self._sync_dir(self._dir(queue, "done"))
+        self._done_status.setdefault(queue, {})[item.id] = item.status
+        self._tally(queue, item.status, item.finished_at)
+        _unlink_quietly(self._path(queue, source, item.id))
+        return True
+
+    def _fail_timed_out(self, queue: str, state: str, item: Item, now: float) -> None:
+        failed = replace(
+            item, status="failed", error="timeout", lease_expires_at=None, finished_at=now, claim_token=None
+        )
+        self._put_done(queue, state, failed)
+
+    def release_item(self, *, queue: str, item_id: str, claim_token: str | None = None) -> Item:
+        """Put a processing item back to pending now. With `claim_token`, only if that claim
+        still holds it. Raises NotHeld otherwise."""
+        self._valid_id(queue, item_id)
+        with self._item_lock(queue, item_id), self._storage_errors():
+            state, item = self._find(queue, item_id)
+            if state != "processing" or (claim_token is not None and item.claim_token != claim_token):
+                raise NotHeld(f"item {item_id} is {item.status}, not held")
+            return self._requeue(queue, item)
+
+    def requeue_item(self, *, queue: str, item_id: str, claim_token: str) -> bool:
+        """Re-queue an item if the claim `claim_token` still holds it (G8); False if not."""
+        try:
+            self.release_item(queue=queue, item_id=item_id, claim_token=claim_token)
+            return True
+        except (NotHeld, ItemNotFound):
+            return False
+
+    def _requeue(self, queue: str, item: Item) -> Item:
+        self._move(queue, item.id, "processing", "pending")
+        pending = replace(item, status="pending", lease_expires_at=None, claim_token=None)
+        self._rewrite(queue, "pending", pending)
+        self._index(queue).push([item.id])
+        return pending
+
+    def extend_lease(
+        self, *, queue: str, item_id: str, seconds: float, claim_token: str | None = None
+    ) -> Item:
+        """Set a processing item's lease to expire `seconds` from now."""
+        self._valid_id(queue, item_id)
+        with self._item_lock(queue, item_id), self._storage_errors():
+            state, item = self._find(queue, item_id)
+            if state != "processing" or (claim_token is not None and item.claim_token != claim_token):
+                raise NotHeld(f"item {item_id} is {item.status}, not held")
+            item = replace(item, lease_expires_at=self.clock() + seconds)
+            self._rewrite(queue, "processing", item, mtime=item.lease_expires_at)
+            return item
+
+    def read_item(self, *, queue: str, item_id: str, fetch: bool = False, retain_from: str = "finished") -> Item:
+        """Read one item. With `fetch`, a terminal item is marked fetched the first time, and under
+        retainFrom `fetched` its retention clock starts now (G7)."""
+        self._valid_id(queue, item_id)
+        if not self._dir(queue, "done").is_dir():
+            raise ItemNotFound(f"no item {item_id} in queue {queue}")
+        with self._item_lock(queue, item_id):
+            state, item = self._find(queue, item_id)
+            if fetch and state == "done":
+                self._mark_fetched(queue, item_id, restart_clock=retain_from == "fetched")
+            return item
+
+    def _mark_fetched(self, queue: str, item_id: str, *, restart_clock: bool) -> None:
+        path = self._path(queue, "done", item_id)
+        try:
+            if os.stat(path).st_mode & stat.S_IRGRP:
+                return
+            if restart_clock:
+                now = self.clock()
+                os.utime(path, (now, now))
+            os.chmod(path, _FETCHED_MODE)  # last, so a crash in between only repeats the fetch
+        except FileNotFoundError:
+            pass  # deleted by retention meanwhile
+
+    def quarantine(self, *, queue: str, state: str, item_id: str) -> None:
+        """Move an unreadable file out of the way, so it never stops a claim or a sweep."""
+        source = self._path(queue, state, item_id)
+        target = self._dir(queue, "quarantine") / f"{state}-{item_id}.json"
+        try:
+            os.rename(source, target)
+        except FileNotFoundError:
+            pass
+
+    # ---- sweep passes ---------------------------------------------------------------------
+
+    def _names(self, queue: str, state: str) -> list[str]:
+        try:
+            return os.listdir(self._dir(queue, state))
+        except FileNotFoundError:
+            return []
+
+    def _ids_in(self, queue: str, state: str) -> list[str]:
+        return [name[:-5] for name in self._names(queue, state) if name.endswith(".json")]
+
+    def fail_aged(self, *, config: QueueConfig) -> list[str]:
+        """Fail every pending or processing item older than the queue allows (G6)."""
+        queue = config.name
+        now = self.clock()
+        cutoff = ids.time_prefix(int((now - config.queue_seconds) * 1000))
+        failed = []
+        for state in ("pending", "processing"):
+            for item_id in self._ids_in(queue, state):
+                if item_id[:13] > cutoff or not ids.is_valid_id(item_id):
+                    continue
+                with self._item_lock(queue, item_id), self._storage_errors():
+                    try:
+                        current, item = self._find(queue, item_id)
+                    except ItemNotFound:
+                        continue
+                    if current != "done" and now - item.posted_at > config.queue_seconds:
+                        self._fail_timed_out(queue, current, item, now)
+                        failed.append(item_id)
+        return failed
+
+    def requeue_lapsed(self, *, config: QueueConfig) -> list[str]:
+        """Move every processing item whose lease has lapsed back to pending."""
+        queue = config.name
+        now = self.clock()
+        requeued = []
+        directory = self._dir(queue, "processing")
+        for item_id in self._ids_in(queue, "processing"):
+            if not ids.is_valid_id(item_id):
+                continue
+            try:
+                if os.stat(directory / f"{item_id}.json").st_mtime > now:
+                    continue  # the mtime is the lease expiry: no need to read the file
+            except FileNotFoundError:
+                continue
+            with self._item_lock(queue, item_id), self._storage_errors():
+                try:
+                    item = self._read(queue, "processing", item_id)
+                except FileNotFoundError:
+                    continue
+                if item.lease_expires_at is not None and item.lease_expires_at > now:
+                    continue
+                if now - item.posted_at > config.queue_seconds:
+                    self._fail_timed_out(queue, "processing", item, now)
+                    continue
+                self._requeue(queue, item)
+                requeued.append(item_id)
+        return requeued
+
+    def delete_expired(self, *, config: QueueConfig) -> list[str]:
+        """Delete done items whose retention has passed (G7). Reads no file: the mtime is when
+        the retention clock started, and the group-read bit says whether it was fetched."""
+        queue = config.name
+        cutoff = self.clock() - config.retain_seconds
+        deleted = []
+        directory = self._dir(queue, "done")
+        for item_id in self._ids_in(queue, "done"):
+            path = directory / f"{item_id}.json"
+            try:
+                info = os.stat(path)
+            except FileNotFoundError:
+                continue
+            if config.retain_from == "fetched" and not info.st_mode & stat.S_IRGRP:
+                continue
+            if info.st_mtime <= cutoff:
+                _unlink_quietly(path)
+                self._done_status.get(queue, {}).pop(item_id, None)
+                deleted.append(item_id)
+        return deleted
+
+    def repair(self, *, queue: str) -> list[str]:
+        """Settle every id found in two states (a crash mid-transition): done wins, then pending.
+        Files whose names are not item ids are quarantined."""
+        names = {state: set(self._names(queue, state)) for state in ("pending", "processing", "done")}
+        for state, found in names.items():
+            for name in found:
+                if not (name.endswith(".json") and ids.is_valid_id(name[:-5])):
+                    _quarantine_path(self._dir(queue, state) / name, self._dir(queue, "quarantine"), state)
+        doubled = (names["done"] & (names["pending"] | names["processing"])) | (
+            names["pending"] & names["processing"]
+        )
+        repaired = []
+        for name in sorted(doubled):
+            item_id = name[:-5]
+            if not ids.is_valid_id(item_id):
+                continue
+            with self._item_lock(queue, item_id):
+                present = [s for s in ("done", "pending", "processing") if self._path(queue, s, item_id).exists()]
+                for state in present[1:]:
+                    _unlink_quietly(self._path(queue, state, item_id))
+                if len(present) > 1:
+                    repaired.append(item_id)
+        return repaired
+
+    def remove_stale_tmp(self, *, queue: str) -> int:
+        """Remove tmp/ files older than an hour (leftovers of writers that died), and tallies
+        older than an hour."""
+        cutoff = time.time() - STALE_TMP_SECONDS
+        removed = 0
+        for state in ("tmp", "stats"):
+            directory = self._dir(queue, state)
+            for name in self._names(queue, state):
+                path = directory / name
+                try:
+                    if os.stat(path).st_mtime < cutoff:
+                        os.unlink(path)
+                        removed += state == "tmp"
+                except FileNotFoundError:
+                    continue
+        return removed
+
+    # ---- throughput -----------------------------------------------------------------------
+
+    def _tally(self, queue: str, status: str, at: float) -> None:
+        """Count one item ended: one byte appended to the minute's tally. O_APPEND writes are
+        atomic, so every process and sweeper can count into the same file."""
+        path = self._dir(queue, "stats") / f"{int(at // 60)}.{status}"
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        try:
+            os.write(fd, b".")
+        finally:
+            os.close(fd)
+
+    def throughput(self, *, queue: str, minutes: int = 15) -> list[tuple[float, int, int]]:
+        """(minute start, finished, failed) for each of the last `minutes` minutes, oldest first."""
+        current = int(self.clock() // 60)
+        directory = self._dir(queue, "stats")
+        rows = []
+        for minute in range(current - minutes + 1, current + 1):
+            counts = []
+            for status in ("finished", "failed"):
+                try:
+                    counts.append(os.stat(directory / f"{minute}.{status}").st_size)
+                except FileNotFoundError:
+                    counts.append(0)
+            rows.append((minute * 60.0, counts[0], counts[1]))
+        return rows
+
+    # ---- counts and listings --------------------------------------------------------------
+
+    def count_items(self, *, queue: str) -> Counts:
+        pending = self._ids_in(queue, "pending")
+        processing = self._ids_in(queue, "processing")
+        done = self._ids_in(queue, "done")
+        statuses = self._done_statuses(queue, done)
+        failed = sum(1 for item_id in done if statuses.get(item_id) == "failed")
+        oldest = min((i for i in pending if ids.is_valid_id(i)), default=None)
+        return Counts(
+            pending=len(pending),
+            processing=len(processing),
+            finished=len(done) - failed,
+            failed=failed,
+            oldest_pending_posted_at=ids.id_millis(oldest) / 1000 if oldest else None,
+        )
+
+    def _done_statuses(self, queue: str, done_ids: list[str]) -> dict[str, str]:
+        """finished/failed for each done id, read once per process (a done file never changes
+        status) and forgotten once the file is gone."""
+        with self._setup_lock:
+            known = self._done_status.setdefault(queue, {})
+        present = set(done_ids)
+        for item_id in list(known):
+            if item_id not in present:
+                known.pop(item_id, None)
+        for item_id in done_ids:
+            if item_id not in known:
+                known[item_id] = self._done_status_of(queue, item_id)
+        return known
+
+    def _done_status_of(self, queue: str, item_id: str) -> str:
+        try:
+            return self._read(queue, "done", item_id).status
+        except (FileNotFoundError, UnsafePath):
+            return "finished"
+
+    def list_items(self, *, queue: str, state: str, offset: int = 0, limit: int = 50) -> tuple[int, list[Item]]:
+        """One page of a state's items, newest first, and the state's total. Lists names only
+        and reads just the page's files."""
+        if state not in ("pending", "processing", "done"):
+            raise InvalidRequest(f"no state {state!r}")
+        item_ids = sorted((i for i in self._ids_in(queue, state) if ids.is_valid_id(i)), reverse=True)
+        page = []
+        for item_id in item_ids[offset : offset + limit]:
+            try:
+                page.append(self._read(queue, state, item_id))
+            except FileNotFoundError:
+                continue  # moved on while we looked
+        return len(item_ids), page
+
+
+def _unlink_quietly(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _quarantine_path(path: Path, quarantine: Path, state: str) -> None:
+    try:
+        os.rename(path, quarantine / f"{state}-{path.name}")
+    except (FileNotFoundError, IsADirectoryError, OSError):
+        pass

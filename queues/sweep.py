@@ -1,0 +1,69 @@
+"""The sweep: one pass applies every queue's timers and repairs what crashes left behind."""
+
+import logging
+import threading
+from collections.abc import Callable, Iterable
+
+from .store import QueueConfig, Store
+
+log = logging.getLogger(__name__)
+
+Requeued = Callable[[str, list[str]], None]
+
+
+class Sweeper:
+    """Runs passes over every queue. Safe beside other sweepers: each change is a transition
+    under the item's lock, and one another sweeper already made is simply skipped."""
+
+    def __init__(
+        self,
+        store: Store,
+        configs: Callable[[], Iterable[QueueConfig]],
+        *,
+        on_requeued: Requeued | None = None,
+    ):
+        self.store = store
+        self.configs = configs
+        self.on_requeued = on_requeued
+
+    def sweep_once(self) -> dict[str, dict[str, int]]:
+        """One pass; returns what changed per queue (queues with no change are left out)."""
+        changes = {}
+        for config in self.configs():
+            try:
+                changed = self._sweep_queue(config)
+            except Exception:  # one queue's trouble must not stop the others
+                log.exception("sweep of queue %s failed", config.name)
+                continue
+            if any(changed.values()):
+                changes[config.name] = changed
+        return changes
+
+    def _sweep_queue(self, config: QueueConfig) -> dict[str, int]:
+        store, queue = self.store, config.name
+        repaired = store.repair(queue=queue)
+        failed = store.fail_aged(config=config)  # before re-queueing: aged and lapsed ends failed
+        requeued = store.requeue_lapsed(config=config)
+        deleted = store.delete_expired(config=config)
+        tmp_removed = store.remove_stale_tmp(queue=queue)
+        if requeued and self.on_requeued:
+            self.on_requeued(queue, requeued)
+        return {
+            "repaired": len(repaired),
+            "failed": len(failed),
+            "requeued": len(requeued),
+            "deleted": len(deleted),
+            "tmpRemoved": tmp_removed,
+        }
+
+    def run(self, *, interval: float, stop: threading.Event, report: Callable[[dict], None] | None = None) -> None:
+        """A pass every `interval` seconds until `stop` is set."""
+        while not stop.is_set():
+            try:
+                changes = self.sweep_once()
+            except Exception:  # e.g. the database is down for a moment: try again next pass
+                log.exception("sweep pass failed")
+                changes = {}
+            if changes and report:
+                report(changes)
+            stop.wait(interval)

@@ -1,0 +1,45 @@
+import pytest
+
+from queues.runtime import get_registry, get_store
+from queues.store import QueueConfig, Store
+
+START = 1_796_000_000.0  # 2026-11-30, a fixed instant for the injected clock
+
+
+class FakeClock:
+    """A clock the test moves by hand, so lease and retention tests never sleep."""
+
+    def __init__(self, now: float = START):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def store(tmp_path, clock) -> Store:
+    return Store(tmp_path / "store", fsync=False, max_payload_bytes=1024, clock=clock)
+
+
+@pytest.fixture
+def config() -> QueueConfig:
+    return QueueConfig(name="jobs", lease_seconds=30, queue_seconds=600, retain_seconds=60)
+
+
+@pytest.fixture(autouse=True)
+def _isolated_data_dir(settings, tmp_path):
+    """Every test gets its own data directory and fresh process-wide objects."""
+    settings.TASKHOSTER_DATA_DIR = tmp_path / "data"
+    get_store.cache_clear()
+    get_registry.cache_clear()
+    yield
+    get_store.cache_clear()
+    get_registry.cache_clear()
