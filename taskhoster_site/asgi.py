@@ -1,8 +1,49 @@
+"""The whole server as one ASGI application.
+
+- `/api/...` and `/healthz`: the HTTP API, a lean ASGI app of its own (no Django middleware on
+  the hot path: each sync middleware costs a thread hop per request).
+- websockets: `/work` for workers (Channels).
+- everything else: Django (admin, dashboard, login), with its static files served here so `serve`
+  needs no web server in front, even with DEBUG off.
+"""
+
 import os
 
-from django.core.asgi import get_asgi_application
-
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "taskhoster_site.settings")
-django_application = get_asgi_application()
 
-application = django_application
+from django.core.asgi import get_asgi_application  # noqa: E402
+
+django_application = get_asgi_application()  # sets Django up before the apps below import models
+
+from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
+from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler  # noqa: E402
+
+http_routes = [
+    # (path prefix, ASGI app): first match wins; added by the API.
+]
+websocket_urlpatterns = [
+    # django.urls.path(...) entries: /work and the dashboard's live socket.
+]
+
+
+class PathDispatcher:
+    """Sends an HTTP request to the first app whose prefix matches its path, else to Django."""
+
+    def __init__(self, routes, default):
+        self.routes = routes
+        self.default = default
+
+    async def __call__(self, scope, receive, send):
+        path = scope["path"]
+        for prefix, app in self.routes:
+            if path.startswith(prefix):
+                return await app(scope, receive, send)
+        return await self.default(scope, receive, send)
+
+
+application = ProtocolTypeRouter(
+    {
+        "http": PathDispatcher(http_routes, ASGIStaticFilesHandler(django_application)),
+        "websocket": URLRouter(websocket_urlpatterns),
+    }
+)

@@ -1,0 +1,92 @@
+"""Wake-ups inside one server process: claims waiting for items, and reads waiting for an item
+to turn terminal.
+
+Transitions made in this process (from the event loop or from any thread, such as the sweep's)
+call `items_available` / `items_terminal`; waiters await `wait_available` / `wait_terminal`.
+A bridge (set by the channel-layer code) may forward each notification to other processes and
+feed theirs back in with `local_only=True`.
+"""
+
+import asyncio
+import threading
+from collections import defaultdict, deque
+from collections.abc import Iterable
+from typing import Protocol
+
+
+class Bridge(Protocol):
+    def publish(self, kind: str, queue: str, payload: object) -> None: ...
+
+
+def _wake(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(True)
+
+
+class Hub:
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._claim_waiters: dict[str, deque[asyncio.Future]] = defaultdict(deque)
+        self._item_waiters: dict[tuple[str, str], list[asyncio.Future]] = defaultdict(list)
+        self.bridge: Bridge | None = None
+
+    def items_available(self, queue: str, count: int = 1, *, local_only: bool = False) -> None:
+        """Items were posted or re-queued: wake at most `count` waiting claims, oldest first
+        (no thundering herd: the rest keep waiting)."""
+        with self._lock:
+            waiters = self._claim_waiters.get(queue)
+            woken = []
+            while waiters and len(woken) < count:
+                woken.append(waiters.popleft())
+        for future in woken:
+            future.get_loop().call_soon_threadsafe(_wake, future)
+        if self.bridge is not None and not local_only:
+            self.bridge.publish("available", queue, count)
+
+    def items_terminal(self, queue: str, item_ids: Iterable[str], *, local_only: bool = False) -> None:
+        """Items finished or failed: wake every read waiting on them."""
+        item_ids = list(item_ids)
+        with self._lock:
+            woken = [f for i in item_ids for f in self._item_waiters.pop((queue, i), ())]
+        for future in woken:
+            future.get_loop().call_soon_threadsafe(_wake, future)
+        if self.bridge is not None and not local_only and item_ids:
+            self.bridge.publish("terminal", queue, item_ids)
+
+    async def wait_available(self, queue: str, timeout: float) -> bool:
+        """Wait until woken for `queue` or `timeout` passes; True if woken."""
+        future = asyncio.get_running_loop().create_future()
+        with self._lock:
+            self._claim_waiters[queue].append(future)
+        try:
+            return await asyncio.wait_for(future, timeout)
+        except asyncio.TimeoutError:
+            return False
+        finally:
+            with self._lock:
+                waiters = self._claim_waiters.get(queue)
+                if waiters is not None and future in waiters:
+                    waiters.remove(future)
+                    if not waiters:
+                        del self._claim_waiters[queue]
+
+    async def wait_terminal(self, queue: str, item_id: str, timeout: float) -> bool:
+        """Wait until the item is reported terminal or `timeout` passes; True if reported."""
+        future = asyncio.get_running_loop().create_future()
+        key = (queue, item_id)
+        with self._lock:
+            self._item_waiters[key].append(future)
+        try:
+            return await asyncio.wait_for(future, timeout)
+        except asyncio.TimeoutError:
+            return False
+        finally:
+            with self._lock:
+                waiters = self._item_waiters.get(key)
+                if waiters is not None and future in waiters:
+                    waiters.remove(future)
+                    if not waiters:
+                        del self._item_waiters[key]
+
+
+hub = Hub()
