@@ -1,30 +1,118 @@
 from django.contrib import admin, messages
+from django.urls import reverse
+from django.utils.html import format_html
 
+from .dashboard.display import STATES, format_duration
 from .models import ApiToken, Queue
-from .services import delete_queue
+from .runtime import get_registry, get_store
+from .services import delete_queue, save_queue
+from .store import Counts
 
 
 @admin.register(Queue)
 class QueueAdmin(admin.ModelAdmin):
-    list_display = ("name", "lease_seconds", "queue_seconds", "retain_seconds", "retain_from", "paused")
-    list_filter = ("paused", "retain_from")
     search_fields = ("name",)
+    actions = ("pause_queues", "resume_queues")
+
+    def get_list_display(self, request):
+        counts = _CountsPerPage()  # each queue's directories are listed once per page
+        return (
+            "name",
+            "state",
+            *(counts.column(state) for state in STATES),
+            counts.oldest_column(),
+            "lease",
+            "lifetime",
+            "retention",
+            "items_link",
+        )
+
+    @admin.display(description="state", ordering="paused")
+    def state(self, obj):
+        return "Paused" if obj.paused else "Running"
+
+    @admin.display(description="lease", ordering="lease_seconds")
+    def lease(self, obj):
+        return format_duration(obj.lease_seconds)
+
+    @admin.display(description="time-out", ordering="queue_seconds")
+    def lifetime(self, obj):
+        return format_duration(obj.queue_seconds)
+
+    @admin.display(description="kept", ordering="retain_seconds")
+    def retention(self, obj):
+        start = "first fetch" if obj.retain_from == "fetched" else "end"
+        return f"{format_duration(obj.retain_seconds)} from {start}"
 
     def get_readonly_fields(self, request, obj=None):
-        return ("name",) if obj else ()  # the name is the directory: renaming would orphan items
+        # the name is the directory: renaming would orphan items
+        return ("name", "items_now") if obj else ()
+
+    @admin.display(description="items")
+    def items_link(self, obj):
+        return format_html('<a href="{}">Items</a>', reverse("dashboard:queue", args=[obj.name]))
+
+    @admin.display(description="items now")
+    def items_now(self, obj):
+        counts = get_store().count_items(queue=obj.name)
+        summary = ", ".join(f"{getattr(counts, state)} {state}" for state in STATES)
+        return format_html('{} (<a href="{}">see the items</a>)', summary, reverse("dashboard:queue", args=[obj.name]))
 
     def save_model(self, request, obj, form, change):
         super().save_model(request, obj, form, change)
-        from .runtime import get_store
-
         get_store().ensure_queue(obj.name)
+        get_registry().invalidate()  # this process sees the change at once; the others within a second
 
     def delete_model(self, request, obj):
         delete_queue(obj)
+        get_registry().invalidate()
 
     def delete_queryset(self, request, queryset):
         for queue in queryset:
             delete_queue(queue)
+        get_registry().invalidate()
+
+    @admin.action(description="Pause the selected queues")
+    def pause_queues(self, request, queryset):
+        self._set_paused(request, queryset, True)
+
+    @admin.action(description="Resume the selected queues")
+    def resume_queues(self, request, queryset):
+        self._set_paused(request, queryset, False)
+
+    def _set_paused(self, request, queryset, paused: bool) -> None:
+        names = [queue.name for queue in queryset]
+        for name in names:
+            save_queue(name, paused=paused)
+        get_registry().invalidate()
+        self.message_user(request, f"{'Paused' if paused else 'Resumed'}: {', '.join(names)}.", messages.SUCCESS)
+
+
+class _CountsPerPage:
+    """List-display columns for the items in each state, reading each queue's counts once."""
+
+    def __init__(self):
+        self._counts: dict[str, Counts] = {}
+
+    def _of(self, queue: Queue) -> Counts:
+        if queue.name not in self._counts:
+            self._counts[queue.name] = get_store().count_items(queue=queue.name)
+        return self._counts[queue.name]
+
+    def column(self, state: str):
+        def count(queue: Queue) -> int:
+            return getattr(self._of(queue), state)
+
+        count.__name__ = count.short_description = state  # the column's CSS class and heading
+        return count
+
+    def oldest_column(self):
+        def oldest(queue: Queue) -> str:
+            posted_at = self._of(queue).oldest_pending_posted_at
+            return format_duration(None if posted_at is None else get_store().clock() - posted_at)
+
+        oldest.__name__, oldest.short_description = "oldest_pending", "oldest pending"
+        return oldest
 
 
 @admin.register(ApiToken)

@@ -1,0 +1,76 @@
+"""Turns snapshot figures into what the templates draw. `static/queues/dashboard.js` draws the
+same from each live snapshot, so the two must agree: change both together."""
+
+from datetime import datetime, timezone
+
+STATES = ("pending", "processing", "finished", "failed")
+
+
+def format_duration(seconds: float | None) -> str:
+    """A short human duration: "42 s", "3 min 5 s", "2 h 10 min", "4 d 3 h"; "–" for none."""
+    if seconds is None:
+        return "–"
+    whole = max(0, int(seconds))
+    for unit, size, smaller, smaller_size in (("d", 86400, "h", 3600), ("h", 3600, "min", 60), ("min", 60, "s", 1)):
+        if whole >= size:
+            rest = (whole % size) // smaller_size
+            return f"{whole // size} {unit}" + (f" {rest} {smaller}" if rest else "")
+    return f"{whole} s"
+
+
+def format_time(timestamp: float) -> str:
+    """A moment as people read it: "2026-11-30 14:23:53 UTC"."""
+    return datetime.fromtimestamp(timestamp, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def bar_segments(counts: dict) -> list[dict]:
+    """The stacked bar of a queue's items by state, each state's share in percent."""
+    total = sum(counts[state] for state in STATES)
+    return [
+        {"state": state, "count": counts[state], "percent": _percent(counts[state], total)} for state in STATES
+    ]
+
+
+def chart_columns(throughput: list[dict]) -> list[dict]:
+    """One column per minute, heights in percent of the busiest minute."""
+    peak = max((minute["finished"] + minute["failed"] for minute in throughput), default=0)
+    return [
+        {
+            "label": f"{minute['minute'][11:16]} UTC: {minute['finished']} finished, {minute['failed']} failed",
+            "finished": _percent(minute["finished"], peak),
+            "failed": _percent(minute["failed"], peak),
+        }
+        for minute in throughput
+    ]
+
+
+def queue_row(queue: dict) -> dict:
+    """Everything one dashboard row shows, from one queue of a snapshot."""
+    counts = queue["counts"]
+    last = queue["throughput"][-1] if queue["throughput"] else {"finished": 0, "failed": 0}
+    return {
+        "name": queue["name"],
+        "paused": queue["paused"],
+        "segments": bar_segments(counts),
+        "bar_label": ", ".join(f"{counts[state]} {state}" for state in STATES),
+        "oldest": format_duration(queue["oldestPendingAgeSeconds"]),
+        "chart": chart_columns(queue["throughput"]),
+        "rate": f"{last['finished']} finished, {last['failed']} failed",
+    }
+
+
+def blank_row() -> dict:
+    """A row with nothing in it: the markup the page's script copies for a queue made later."""
+    return queue_row(
+        {
+            "name": "",
+            "paused": False,
+            "counts": dict.fromkeys(STATES, 0),
+            "oldestPendingAgeSeconds": None,
+            "throughput": [],
+        }
+    )
+
+
+def _percent(part: int, whole: int) -> float:
+    return round(100 * part / whole, 2) if whole else 0.0

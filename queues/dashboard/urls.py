@@ -1,0 +1,14 @@
+from django.urls import path
+
+from . import views
+
+app_name = "dashboard"
+
+urlpatterns = [
+    path("", views.dashboard, name="index"),
+    path("queues/<str:name>/", views.queue_items, name="queue"),
+    path("queues/<str:name>/pause", views.set_paused, {"paused": True}, name="pause"),
+    path("queues/<str:name>/resume", views.set_paused, {"paused": False}, name="resume"),
+    path("queues/<str:name>/items/<str:item_id>/", views.item_detail, name="item"),
+    path("queues/<str:name>/items/<str:item_id>/requeue", views.requeue_item, name="requeue"),
+]

@@ -1,0 +1,223 @@
+"""The dashboard's pages and actions, for staff only. Views translate: they read the store and
+the queue records and hand plain values to the templates."""
+
+import json
+import math
+from functools import wraps
+
+from django.contrib import admin, messages
+from django.contrib.auth.views import redirect_to_login
+from django.http import HttpResponseRedirect
+from django.template.response import TemplateResponse
+from django.urls import reverse
+from django.utils.http import url_has_allowed_host_and_scheme
+from django.views.decorators.http import require_POST, require_safe
+
+from ..events import hub
+from ..exceptions import ItemNotFound, NotHeld, StorageUnavailable
+from ..ids import iso
+from ..models import Queue
+from ..runtime import get_registry, get_store
+from ..services import save_queue
+from ..store import Item
+from .consumers import LIVE_PATH
+from .display import STATES, bar_segments, blank_row, format_duration, format_time, queue_row
+from .snapshot import take_snapshot
+
+PAGE_SIZE = 50
+LIST_STATES = {"pending": "Pending", "processing": "Processing", "done": "Done"}
+
+
+def staff_required(view):
+    """Anonymous users go to the login page; a logged-in user who is not staff gets a 403 page."""
+
+    @wraps(view)
+    def checked(request, *args, **kwargs):
+        if not request.user.is_authenticated:
+            return redirect_to_login(request.get_full_path())
+        if not request.user.is_staff:
+            return _render(request, "dashboard/forbidden.html", {"title": "Staff only"}, status=403)
+        return view(request, *args, **kwargs)
+
+    return checked
+
+
+def _render(request, template: str, context: dict, *, status: int = 200) -> TemplateResponse:
+    page = {**admin.site.each_context(request), "is_nav_sidebar_enabled": False, **context}
+    return TemplateResponse(request, template, page, status=status)
+
+
+def _not_found(request, title: str, message: str, queue: Queue | None = None) -> TemplateResponse:
+    return _render(request, "dashboard/not_found.html", {"title": title, "message": message, "queue": queue}, status=404)
+
+
+def _find_queue(name: str) -> Queue | None:
+    return Queue.objects.filter(name=name).first()
+
+
+@require_safe
+@staff_required
+def dashboard(request):
+    snapshot = take_snapshot(get_store(), [queue.config() for queue in Queue.objects.all()])
+    context = {
+        "title": "Queues",
+        "rows": [queue_row(queue) for queue in snapshot["queues"]],
+        "blank_row": blank_row(),
+        "snapshot_at": snapshot["at"],
+        "live_path": LIVE_PATH,
+    }
+    return _render(request, "dashboard/index.html", context)
+
+
+@require_safe
+@staff_required
+def queue_items(request, name: str):
+    queue = _find_queue(name)
+    if queue is None:
+        return _no_queue(request, name)
+    state = request.GET.get("state", "pending")
+    if state not in LIST_STATES:
+        return _not_found(request, "No such list", f"Items are listed as {', '.join(LIST_STATES)}.", queue)
+    page = request.GET.get("page", "1")
+    if not page.isdigit() or int(page) < 1:
+        return _not_found(request, "No such page", "Pages are numbered from 1.", queue)
+    page = int(page)
+    store = get_store()
+    total, items = store.list_items(queue=name, state=state, offset=(page - 1) * PAGE_SIZE, limit=PAGE_SIZE)
+    counts = store.count_items(queue=name)
+    now = store.clock()
+    by_state = {key: getattr(counts, key) for key in STATES}
+    by_list = {"pending": counts.pending, "processing": counts.processing, "done": counts.finished + counts.failed}
+    return _render(
+        request,
+        "dashboard/queue.html",
+        {
+            "title": f"Queue {name}",
+            "queue": queue,
+            "state": state,
+            "tabs": [
+                {"state": key, "label": label, "count": by_list[key], "current": key == state}
+                for key, label in LIST_STATES.items()
+            ],
+            "segments": bar_segments(by_state),
+            "lease": format_duration(queue.lease_seconds),
+            "lifetime": format_duration(queue.queue_seconds),
+            "retention": format_duration(queue.retain_seconds),
+            "oldest": format_duration(None if counts.oldest_pending_posted_at is None else now - counts.oldest_pending_posted_at),
+            "items": [_item_row(item, now) for item in items],
+            "total": total,
+            "page": page,
+            "pages": max(1, math.ceil(total / PAGE_SIZE)),
+            "first_number": (page - 1) * PAGE_SIZE + 1,
+            "last_number": (page - 1) * PAGE_SIZE + len(items),
+        },
+    )
+
+
+@require_safe
+@staff_required
+def item_detail(request, name: str, item_id: str):
+    queue = _find_queue(name)
+    if queue is None:
+        return _no_queue(request, name)
+    store = get_store()
+    try:
+        item = store.read_item(queue=name, item_id=item_id)  # not a fetch: retention does not start
+    except ItemNotFound:
+        return _gone(request, queue, item_id)
+    now = store.clock()
+    return _render(
+        request,
+        "dashboard/item.html",
+        {
+            "title": f"Item {item.id}",
+            "queue": queue,
+            "item": _item_row(item, now),
+            "payload": _pretty(item.payload),
+            "result": _pretty(item.result) if item.status == "finished" else None,
+            "error": item.error,
+        },
+    )
+
+
+@require_POST
+@staff_required
+def requeue_item(request, name: str, item_id: str):
+    queue = _find_queue(name)
+    if queue is None:
+        return _no_queue(request, name)
+    try:
+        get_store().release_item(queue=name, item_id=item_id)
+    except ItemNotFound:
+        return _gone(request, queue, item_id)
+    except NotHeld:
+        messages.warning(request, f"Item {item_id} is not processing any more, so it was not re-queued.")
+    except StorageUnavailable as exc:
+        messages.error(request, f"Item {item_id} was not re-queued: {exc.message}")
+    else:
+        hub.items_available(name, 1)  # wake a waiting worker at once
+        messages.success(request, f"Item {item_id} is pending again; the next claim can take it.")
+    return _back(request, reverse("dashboard:item", args=[name, item_id]))
+
+
+@require_POST
+@staff_required
+def set_paused(request, name: str, paused: bool):
+    if _find_queue(name) is None:
+        return _no_queue(request, name)
+    save_queue(name, paused=paused)
+    get_registry().invalidate()  # this process sees it at once; the others within a second
+    if paused:
+        messages.success(request, f"Queue {name} is paused: it takes posts and results but hands out no claims.")
+    else:
+        messages.success(request, f"Queue {name} is running again: workers can claim its items.")
+    return _back(request, reverse("dashboard:queue", args=[name]))
+
+
+def _no_queue(request, name: str) -> TemplateResponse:
+    return _not_found(request, "No such queue", f"There is no queue named “{name}”.")
+
+
+def _gone(request, queue: Queue, item_id: str) -> TemplateResponse:
+    return _not_found(
+        request,
+        "Item gone",
+        f"Item {item_id} is not in queue {queue.name}: retention deleted it, or it never existed.",
+        queue,
+    )
+
+
+def _back(request, default: str) -> HttpResponseRedirect:
+    target = request.POST.get("next", "")
+    safe = url_has_allowed_host_and_scheme(target, allowed_hosts={request.get_host()}, require_https=request.is_secure())
+    return HttpResponseRedirect(target if safe else default)
+
+
+def _item_row(item: Item, now: float) -> dict:
+    return {
+        "id": item.id,
+        "status": item.status,
+        "attempts": item.attempts,
+        "posted": _moment(item.posted_at),
+        "age": format_duration(now - item.posted_at),
+        "claimed": _moment(item.claimed_at),
+        "lease_expires": _moment(item.lease_expires_at),
+        "lease_left": _lease_left(item, now),
+        "finished": _moment(item.finished_at),
+        "finished_ago": None if item.finished_at is None else format_duration(now - item.finished_at),
+    }
+
+
+def _moment(timestamp: float | None) -> dict | None:
+    return None if timestamp is None else {"iso": iso(timestamp), "text": format_time(timestamp)}
+
+
+def _lease_left(item: Item, now: float) -> str | None:
+    if item.lease_expires_at is None:
+        return None
+    left = item.lease_expires_at - now
+    return format_duration(math.ceil(left)) if left > 0 else "lapsed"
+
+
+def _pretty(value) -> str:
+    return json.dumps(value, indent=2, ensure_ascii=False)
