@@ -3,18 +3,21 @@ database at most once a second, so no request or frame makes an ORM call, and a 
 admin reaches every server process within a second."""
 
 import asyncio
+import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from django.db import close_old_connections
+from django.db import DatabaseError, close_old_connections, connection
 from django.utils import timezone
 
 from .models import ApiToken, Queue, hash_token
 from .store import QueueConfig
 
 MAX_AGE_SECONDS = 1.0
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,7 @@ class Registry:
         self._queues: dict[str, QueueConfig] = {}
         self._tokens: dict[str, TokenGrant] = {}
         self._loaded_at = float("-inf")
+        self._loaded_once = False
         self._used: set[int] = set()
         self._lock = threading.Lock()
         # one thread for every database read, so the hot path never waits on a new connection
@@ -68,10 +72,22 @@ class Registry:
         with self._lock:
             self._queues, self._tokens = queues, tokens
             self._loaded_at = time.monotonic()
+            self._loaded_once = True
+
+    def _load_or_keep(self) -> None:
+        """Reload; when the database fails after a first good load, keep serving what was loaded
+        (a database blip must not fail every call) and try again in `max_age`."""
+        try:
+            self.load()
+        except DatabaseError:
+            if not self._loaded_once:
+                raise
+            log.warning("cannot reload queues and tokens; serving the last ones loaded", exc_info=True)
+            self._loaded_at = time.monotonic()
 
     def refresh(self) -> None:
         if self.stale:
-            self._db_thread.submit(self.load).result()
+            self._db_thread.submit(self._load_or_keep).result()
 
     async def arefresh(self) -> None:
         """Reload if stale; concurrent callers share one reload."""
@@ -79,8 +95,25 @@ class Registry:
             return
         if self._refreshing is None or self._refreshing.done():
             loop = asyncio.get_running_loop()
-            self._refreshing = loop.run_in_executor(self._db_thread, self.load)
+            self._refreshing = loop.run_in_executor(self._db_thread, self._load_or_keep)
         await asyncio.shield(self._refreshing)
+
+    def ping_database(self) -> bool:
+        """True when the database answers a trivial query (for /healthz)."""
+        close_old_connections()
+        try:
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT 1")
+            return True
+        except DatabaseError:
+            return False
+        finally:
+            close_old_connections()
+
+    async def aping_database(self) -> bool:
+        """`ping_database` on the registry's own database thread."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._db_thread, self.ping_database)
 
     def queue(self, name: str) -> QueueConfig | None:
         return self._queues.get(name)

@@ -1,0 +1,63 @@
+"""The API as a raw ASGI application: no Django request cycle on the hot path (each sync
+middleware would cost a thread hop per request). It routes, runs the handler, and turns every
+error into a JSON answer."""
+
+import logging
+
+from django.conf import settings
+from django.db import DatabaseError
+
+from ..exceptions import ItemNotFound, MethodNotAllowed, StorageUnavailable, TaskhosterError, Unauthorized
+from .answers import Answer, answer_for, error_answer
+from .handlers import router
+from .requests import ClientGone, Request
+from .router import Router
+
+log = logging.getLogger(__name__)
+
+ASK_FOR_TOKEN = ((b"www-authenticate", b"Bearer"),)
+
+
+class ApiApplication:
+    def __init__(self, router: Router):
+        self.router = router
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            raise ValueError(f"the API serves HTTP only, not {scope['type']!r}")
+        request = Request(scope, receive, max_body_bytes=settings.TASKHOSTER_MAX_BODY_BYTES)
+        try:
+            answer = await self._answer(request)
+        except ClientGone:
+            return
+        finally:
+            request.close()
+        await answer.send(send)
+
+    async def _answer(self, request: Request) -> Answer:
+        try:
+            found = self.router.resolve(request.method, request.path)
+            if found.route is None and found.allowed:
+                allow = ", ".join(found.allowed).encode()
+                return answer_for(MethodNotAllowed(f"{request.method} is not allowed here"), ((b"allow", allow),))
+            if found.route is None:
+                raise ItemNotFound("no API call has this path")
+            return await found.route.handler(request, **found.params)
+        except ClientGone:
+            raise
+        except Unauthorized as exc:
+            return answer_for(exc, ASK_FOR_TOKEN)
+        except TaskhosterError as exc:
+            return answer_for(exc)
+        except DatabaseError:
+            log.exception("the database failed during %s %s", request.method, request.path)
+            return error_answer(503, StorageUnavailable.code, "the database does not answer; try again")
+        except OSError as exc:
+            log.exception("the data directory failed during %s %s", request.method, request.path)
+            return answer_for(StorageUnavailable(f"the data directory cannot be used: {exc.strerror}"))
+        except Exception:
+            log.exception("unexpected error during %s %s", request.method, request.path)
+            return error_answer(500, "internal_error", "the server failed on this request; see its log")
+
+
+application = ApiApplication(router)

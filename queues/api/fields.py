@@ -1,0 +1,105 @@
+"""Strict parsing of what a client sends: JSON bodies, body fields and query parameters.
+Anything of the wrong shape is refused with a clear `invalid_json` or `invalid_request`."""
+
+import json
+import math
+from typing import Any
+
+from ..exceptions import InvalidJson, InvalidRequest
+
+REQUIRED = object()
+
+
+def _refuse_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e999 would be stored, then answered as Infinity: not JSON
+        raise ValueError(f"{text[:40]} is out of range")
+    return value
+
+
+_DECODER = json.JSONDecoder(parse_constant=_refuse_constant, parse_float=_finite_float)
+# Deep nesting is refused up front: near Python's recursion limit a payload that parses here could
+# fail to encode or decode later, in another thread, and stop its queue.
+MAX_DEPTH = 128
+TOO_DEEP = f"the JSON nests deeper than {MAX_DEPTH} levels"
+
+
+def parse_json(raw: bytes) -> Any:
+    try:
+        value = _DECODER.decode(raw.decode())  # JSON on the wire is UTF-8 (RFC 8259)
+    except RecursionError:
+        raise InvalidJson(f"the body cannot be read: {TOO_DEEP}") from None
+    except ValueError as exc:  # also bad UTF-8 and integers too long to read
+        raise InvalidJson(f"the body is not valid JSON: {str(exc)[:200]}") from None
+    if raw.count(b"[") + raw.count(b"{") > MAX_DEPTH:  # else it cannot nest that deep: skip the walk
+        _check_depth(value)
+    return value
+
+
+def _check_depth(value: Any) -> None:
+    stack = [(value, 1)] if isinstance(value, (dict, list)) else []
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise InvalidRequest(TOO_DEEP)
+        children = node.values() if isinstance(node, dict) else node
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+
+
+def json_object(value: Any, *, allowed: set[str], required: set[str] = frozenset(), what: str = "the body") -> dict:
+    """`value` as a JSON object holding every field in `required` and none beyond `allowed`."""
+    if not isinstance(value, dict):
+        raise InvalidRequest(f"{what} must be a JSON object")
+    unknown = sorted(set(value) - allowed)
+    if unknown:
+        raise InvalidRequest(f"{what} has unknown fields: {', '.join(repr(k[:40]) for k in unknown[:5])}")
+    missing = sorted(required - set(value))
+    if missing:
+        raise InvalidRequest(f"{what} lacks the field {missing[0]!r}")
+    return value
+
+
+def _present(body: dict, name: str, default: Any) -> Any:
+    if name in body:
+        return body[name]
+    if default is REQUIRED:
+        raise InvalidRequest(f"the field {name!r} is required")
+    return default
+
+
+def integer_field(body: dict, name: str, *, low: int, high: int, default: Any = REQUIRED) -> int:
+    value = _present(body, name, default)
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise InvalidRequest(f"{name!r} must be an integer from {low} to {high}")
+    return value
+
+
+def number_field(body: dict, name: str, *, low: float, high: float, default: Any = REQUIRED) -> float:
+    value = _present(body, name, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+        raise InvalidRequest(f"{name!r} must be a number from {low} to {high}")
+    return value
+
+
+def number_param(query: dict[str, str], name: str, *, low: float, high: float, default: float) -> float:
+    text = query.get(name)
+    if text is None:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and low <= value <= high):
+        raise InvalidRequest(f"the query parameter {name!r} must be a number from {low} to {high}")
+    return value
+
+
+def flag_param(query: dict[str, str], name: str) -> bool:
+    text = query.get(name, "0").lower()
+    if text not in ("0", "1", "false", "true"):
+        raise InvalidRequest(f"the query parameter {name!r} must be 1 or 0")
+    return text in ("1", "true")

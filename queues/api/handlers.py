@@ -1,0 +1,176 @@
+"""One async handler per API call: parse and validate, call the store, answer JSON.
+The lifecycle rules live in the store; a handler only translates."""
+
+import asyncio
+
+from .. import ids
+from ..events import hub
+from ..exceptions import InvalidRequest, ItemNotFound, UnknownQueue
+from ..runtime import get_registry, get_store, in_store_thread
+from ..services import describe_queue
+from .answers import Answer
+from .auth import PRODUCE, WORK, authenticate, authorize
+from .fields import flag_param, integer_field, json_object, number_field, number_param
+from .openapi import DOCUMENT
+from .requests import Request
+from .router import Router
+
+MAX_WAIT_SECONDS = 60
+MAX_CLAIM = 100
+MAX_LEASE_SECONDS = 86400
+# a waiting call re-reads the disk at least this often, for changes made by other processes
+RECHECK_SECONDS = 1.0
+HEALTH_TIMEOUT_SECONDS = 5.0
+POST_SHAPE = 'post {"payload": P} or {"items": [{"payload": P}, ...]}'
+
+router = Router()
+
+
+def _item_id(item_id: str) -> str:
+    """The id if it has the form of one; 404 otherwise, without going near the disk."""
+    if not ids.is_valid_id(item_id):
+        raise ItemNotFound("no item has this id")
+    return item_id
+
+
+def _clock() -> float:
+    return asyncio.get_running_loop().time()
+
+
+def _payloads(body: dict) -> tuple[list, bool]:
+    """The payloads a post carries, and whether it is a batch."""
+    if ("payload" in body) == ("items" in body) or not isinstance(body.get("items", []), list):
+        raise InvalidRequest(POST_SHAPE)
+    if "payload" in body:
+        return [body["payload"]], False
+    entries = [json_object(e, allowed={"payload"}, required={"payload"}, what="each item") for e in body["items"]]
+    return [entry["payload"] for entry in entries], True
+
+
+@router.add("GET", "/healthz")
+async def health(request: Request) -> Answer:
+    try:
+        database = await asyncio.wait_for(get_registry().aping_database(), HEALTH_TIMEOUT_SECONDS)
+    except asyncio.TimeoutError:
+        database = False
+    data_directory = await in_store_thread(get_store().check_writable)
+    if database and data_directory:
+        return Answer(200, {"ok": True})
+    return Answer(503, {"ok": False, "database": database, "dataDirectory": data_directory})
+
+
+@router.add("GET", "/api/schema")
+async def schema(request: Request) -> Answer:
+    return Answer(200, DOCUMENT)
+
+
+@router.add("GET", "/api/queues")
+async def list_queues(request: Request) -> Answer:
+    grant = await authenticate(request)
+    configs = [config for config in get_registry().queues() if grant.may_see(config.name)]
+    store = get_store()
+
+    def describe_all() -> list[dict]:
+        now = store.clock()
+        return [describe_queue(c, store.count_items(queue=c.name), now) for c in configs]
+
+    return Answer(200, {"queues": await in_store_thread(describe_all)})
+
+
+@router.add("GET", "/api/queues/{queue}")
+async def queue_stats(request: Request, queue: str) -> Answer:
+    config = await authorize(request, queue, PRODUCE, WORK)
+    store = get_store()
+    counts = await in_store_thread(store.count_items, queue=queue)
+    return Answer(200, describe_queue(config, counts, store.clock()))
+
+
+@router.add("POST", "/api/queues/{queue}/items")
+async def post_items(request: Request, queue: str) -> Answer:
+    await authorize(request, queue, PRODUCE)
+    payloads, batch = _payloads(json_object(await request.json(), allowed={"payload", "items"}))
+    items = await in_store_thread(get_store().post_items, queue=queue, payloads=payloads)
+    hub.items_available(queue, len(items))
+    if batch:
+        return Answer(201, {"items": [item.to_json() for item in items]})
+    return Answer(201, items[0].to_json())
+
+
+@router.add("GET", "/api/queues/{queue}/items/{item_id}")
+async def read_item(request: Request, queue: str, item_id: str) -> Answer:
+    """With `wait`, hold the answer until the item is terminal: woken by the hub when a result
+    arrives in this process, re-reading at least once a second for other processes."""
+    config = await authorize(request, queue, PRODUCE)
+    item_id = _item_id(item_id)
+    with_payload = flag_param(request.query, "payload")
+    wait = number_param(request.query, "wait", low=0, high=MAX_WAIT_SECONDS, default=0)
+    store, deadline = get_store(), _clock() + wait
+    if wait:
+        request.watch_disconnect()
+    while True:
+        # a fetch is recorded only on a terminal item, and this read is the answer that shows it
+        item = await in_store_thread(
+            store.read_item, queue=queue, item_id=item_id, fetch=True, retain_from=config.retain_from
+        )
+        remaining = deadline - _clock()
+        if item.terminal or remaining <= 0 or request.gone:
+            return Answer(200, item.to_json(payload=with_payload))
+        await hub.wait_terminal(queue, item_id, min(remaining, RECHECK_SECONDS))
+
+
+@router.add("POST", "/api/queues/{queue}/claim")
+async def claim(request: Request, queue: str) -> Answer:
+    """Claim up to `max` items; with `wait`, keep trying until one comes or time is up (woken by
+    the hub on a post or re-queue here, re-trying at least once a second for other processes)."""
+    await authorize(request, queue, WORK)
+    body = json_object(await request.json(when_empty={}), allowed={"max", "wait"})
+    max_items = integer_field(body, "max", low=1, high=MAX_CLAIM, default=1)
+    wait = number_field(body, "wait", low=0, high=MAX_WAIT_SECONDS, default=0)
+    store, registry, deadline = get_store(), get_registry(), _clock() + wait
+    if wait:
+        request.watch_disconnect()
+    while True:
+        await registry.arefresh()  # a pause or a change of lease takes effect while waiting
+        config = registry.queue(queue)
+        if config is None:
+            raise UnknownQueue(f"queue {queue!r} was deleted")
+        items = await in_store_thread(store.claim_items, config=config, max_items=max_items)
+        remaining = deadline - _clock()
+        if items or remaining <= 0 or request.gone:
+            break
+        await hub.wait_available(queue, min(remaining, RECHECK_SECONDS))
+    if items and request.gone:
+        await _release(queue, items)  # nobody will work them: hand them to the next claimant now
+        items = []
+    return Answer(200, {"items": [item.to_json(payload=True) for item in items]})
+
+
+async def _release(queue: str, items: list) -> None:
+    store = get_store()
+
+    def release_all() -> int:
+        return sum(store.requeue_item(queue=queue, item_id=i.id, claim_token=i.claim_token) for i in items)
+
+    hub.items_available(queue, await in_store_thread(release_all))
+
+
+@router.add("POST", "/api/queues/{queue}/items/{item_id}/result")
+async def hand_in_result(request: Request, queue: str, item_id: str) -> Answer:
+    config = await authorize(request, queue, WORK)
+    item_id = _item_id(item_id)
+    body = json_object(await request.json(), allowed={"result"}, required={"result"})
+    outcome = await in_store_thread(
+        get_store().finish_item, config=config, item_id=item_id, result=body["result"]
+    )
+    hub.items_terminal(queue, [item_id])  # accepted or not, the item is terminal now
+    return Answer(200, {"id": outcome.id, "accepted": outcome.accepted, "status": outcome.status})
+
+
+@router.add("POST", "/api/queues/{queue}/items/{item_id}/extend")
+async def extend_lease(request: Request, queue: str, item_id: str) -> Answer:
+    await authorize(request, queue, WORK)
+    item_id = _item_id(item_id)
+    body = json_object(await request.json(), allowed={"seconds"})
+    seconds = number_field(body, "seconds", low=1, high=MAX_LEASE_SECONDS)
+    item = await in_store_thread(get_store().extend_lease, queue=queue, item_id=item_id, seconds=seconds)
+    return Answer(200, item.to_json())

@@ -1,0 +1,323 @@
+"""The OpenAPI 3.1 description of the API, served at `/api/schema`. A test checks that every
+route of the router is described here and nothing else is."""
+
+TIMESTAMP = {"type": ["string", "null"], "format": "date-time", "examples": ["2026-11-30T14:23:53.120Z"]}
+QUEUE_PARAM = {
+    "name": "queue",
+    "in": "path",
+    "required": True,
+    "description": "A queue name (`^[a-z0-9][a-z0-9_-]{0,63}$`); any other name is answered 404 `unknown_queue`.",
+    "schema": {"type": "string"},
+}
+ID_PARAM = {
+    "name": "item_id",
+    "in": "path",
+    "required": True,
+    "description": "An item id (UUIDv7 text); anything else is answered 404 `not_found`.",
+    "schema": {"type": "string", "format": "uuid"},
+}
+ERROR_CODES = [
+    "invalid_json", "invalid_request", "unauthorized", "forbidden", "unknown_queue", "not_found",
+    "method_not_allowed", "not_held", "payload_too_large", "storage_unavailable",
+]
+ERROR_TEXT = {
+    400: "`invalid_json`: the body is not JSON; `invalid_request`: a field or parameter has the wrong "
+    "type, is missing, unknown or out of range.",
+    401: "`unauthorized`: no token, or an unknown one.",
+    403: "`forbidden`: the token lacks the right this call needs, or its queue list leaves this queue "
+    "out (answered so whether or not the queue exists).",
+    404: "`unknown_queue`: no such queue (or a name that breaks the rule); `not_found`: no such item "
+    "(or an id that is not one).",
+    409: "`not_held`: the item is not processing.",
+    413: "`payload_too_large`: the body is over TASKHOSTER_MAX_BODY_BYTES, or a payload or result over "
+    "TASKHOSTER_MAX_PAYLOAD_BYTES.",
+    503: "`storage_unavailable`: the data directory cannot be written, or the database does not answer.",
+}
+
+
+def _ref(name: str) -> dict:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _json(schema: dict, description: str) -> dict:
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+def _errors(*statuses: int) -> dict:
+    return {str(status): {"$ref": f"#/components/responses/Error{status}"} for status in statuses}
+
+
+def _body(schema: dict, *, required: bool = True) -> dict:
+    return {"required": required, "content": {"application/json": {"schema": schema}}}
+
+
+ITEM = {
+    "type": "object",
+    "required": ["id", "queue", "status", "attempts", "postedAt", "claimedAt", "leaseExpiresAt", "finishedAt"],
+    "properties": {
+        "id": {"type": "string", "format": "uuid", "description": "UUIDv7: time-ordered."},
+        "queue": {"type": "string"},
+        "status": {"type": "string", "enum": ["pending", "processing", "finished", "failed"]},
+        "attempts": {"type": "integer", "minimum": 0, "description": "How many times it was claimed."},
+        "postedAt": {**TIMESTAMP, "type": "string"},
+        "claimedAt": {**TIMESTAMP, "description": "The latest claim; null before the first."},
+        "leaseExpiresAt": {**TIMESTAMP, "description": "Set only while processing."},
+        "finishedAt": TIMESTAMP,
+        "result": {"description": "Present on finished items: any JSON value."},
+        "error": {"type": "string", "enum": ["timeout"], "description": "Present on failed items."},
+        "payload": {"description": "In claim answers, and in a read only with `?payload=1`."},
+    },
+}
+QUEUE = {
+    "type": "object",
+    "required": [
+        "name", "leaseSeconds", "queueSeconds", "retainSeconds", "retainFrom", "paused", "counts",
+        "oldestPendingAgeSeconds",
+    ],
+    "properties": {
+        "name": {"type": "string", "pattern": "^[a-z0-9][a-z0-9_-]{0,63}$"},
+        "leaseSeconds": {"type": "integer", "minimum": 1, "maximum": 86400},
+        "queueSeconds": {"type": "integer", "minimum": 1, "maximum": 2592000},
+        "retainSeconds": {"type": "integer", "minimum": 0, "maximum": 2592000},
+        "retainFrom": {"type": "string", "enum": ["finished", "fetched"]},
+        "paused": {"type": "boolean"},
+        "counts": {
+            "type": "object",
+            "required": ["pending", "processing", "finished", "failed"],
+            "properties": {
+                state: {"type": "integer", "minimum": 0} for state in ("pending", "processing", "finished", "failed")
+            },
+        },
+        "oldestPendingAgeSeconds": {"type": ["number", "null"], "minimum": 0},
+    },
+}
+ERROR = {
+    "type": "object",
+    "required": ["error", "message"],
+    "properties": {"error": {"type": "string", "enum": ERROR_CODES}, "message": {"type": "string"}},
+}
+POST = {
+    "oneOf": [
+        {
+            "type": "object",
+            "required": ["payload"],
+            "additionalProperties": False,
+            "properties": {"payload": {"description": "Any JSON value."}},
+        },
+        {
+            "type": "object",
+            "required": ["items"],
+            "additionalProperties": False,
+            "properties": {
+                "items": {
+                    "type": "array",
+                    "minItems": 1,
+                    "maxItems": 1000,
+                    "items": {
+                        "type": "object",
+                        "required": ["payload"],
+                        "additionalProperties": False,
+                        "properties": {"payload": {}},
+                    },
+                }
+            },
+        },
+    ]
+}
+ITEMS = {"type": "object", "required": ["items"], "properties": {"items": {"type": "array", "items": _ref("Item")}}}
+
+DOCUMENT = {
+    "openapi": "3.1.0",
+    "info": {
+        "title": "Taskhoster API",
+        "version": "1",
+        "description": (
+            "Producers post items and read their results; HTTP workers claim items, hand in results "
+            "and extend leases. Every call but `/healthz` and `/api/schema` needs "
+            "`Authorization: Bearer <token>`. Producer calls need the produce right and worker "
+            "calls the work right; the queue stats and the queue list take either right, since "
+            "both producers and workers watch queue depth. A token limited to a list of queues "
+            "gets 403 `forbidden` for any other queue, whether or not it exists. Errors are always "
+            '`{"error": CODE, "message": TEXT}`; a path under `/api/` that matches no call is 404 '
+            "`not_found`, and a known path called with another method is 405 `method_not_allowed`. "
+            "A JSON body nested deeper than 128 levels is refused with 400."
+        ),
+    },
+    "servers": [{"url": "/"}],
+    "security": [{"bearerToken": []}],
+    "paths": {
+        "/healthz": {
+            "get": {
+                "operationId": "health",
+                "summary": "Whether the database answers and the data directory is writable.",
+                "security": [],
+                "responses": {
+                    "200": _json(
+                        {"type": "object", "required": ["ok"], "properties": {"ok": {"const": True}}}, "Healthy."
+                    ),
+                    "503": _json(
+                        {
+                            "type": "object",
+                            "required": ["ok", "database", "dataDirectory"],
+                            "properties": {
+                                "ok": {"const": False},
+                                "database": {"type": "boolean"},
+                                "dataDirectory": {"type": "boolean"},
+                            },
+                        },
+                        "The database or the data directory fails.",
+                    ),
+                },
+            }
+        },
+        "/api/schema": {
+            "get": {
+                "operationId": "schema",
+                "summary": "This document.",
+                "security": [],
+                "responses": {"200": _json({"type": "object"}, "The OpenAPI document.")},
+            }
+        },
+        "/api/queues": {
+            "get": {
+                "operationId": "listQueues",
+                "summary": "Every queue the token may see (produce or work right), with its counts.",
+                "responses": {
+                    "200": _json(
+                        {
+                            "type": "object",
+                            "required": ["queues"],
+                            "properties": {"queues": {"type": "array", "items": _ref("Queue")}},
+                        },
+                        "The queues, by name.",
+                    ),
+                    **_errors(401),
+                },
+            }
+        },
+        "/api/queues/{queue}": {
+            "parameters": [QUEUE_PARAM],
+            "get": {
+                "operationId": "queueStats",
+                "summary": "One queue's settings and counts (produce or work right).",
+                "responses": {"200": _json(_ref("Queue"), "The queue."), **_errors(401, 403, 404)},
+            },
+        },
+        "/api/queues/{queue}/items": {
+            "parameters": [QUEUE_PARAM],
+            "post": {
+                "operationId": "postItems",
+                "summary": "Post one item, or a batch of 1 to 1000 (all or nothing). Produce right.",
+                "requestBody": _body(_ref("Post")),
+                "responses": {
+                    "201": _json(
+                        {"oneOf": [_ref("Item"), _ref("Items")]}, 'The item, or `{"items": [...]}` for a batch.'
+                    ),
+                    **_errors(400, 401, 403, 404, 413, 503),
+                },
+            },
+        },
+        "/api/queues/{queue}/items/{item_id}": {
+            "parameters": [QUEUE_PARAM, ID_PARAM],
+            "get": {
+                "operationId": "readItem",
+                "summary": "Read an item (produce right); the first answer showing it terminal counts as its fetch.",
+                "parameters": [
+                    {
+                        "name": "wait",
+                        "in": "query",
+                        "description": "Hold the answer up to this many seconds until the item is terminal.",
+                        "schema": {"type": "number", "minimum": 0, "maximum": 60, "default": 0},
+                    },
+                    {
+                        "name": "payload",
+                        "in": "query",
+                        "description": "1 to include the payload.",
+                        "schema": {"type": "string", "enum": ["0", "1", "true", "false"], "default": "0"},
+                    },
+                ],
+                "responses": {"200": _json(_ref("Item"), "The item."), **_errors(400, 401, 403, 404, 503)},
+            },
+        },
+        "/api/queues/{queue}/claim": {
+            "parameters": [QUEUE_PARAM],
+            "post": {
+                "operationId": "claimItems",
+                "summary": "Claim up to `max` items, waiting up to `wait` seconds for at least one. Work right.",
+                "requestBody": _body(
+                    {
+                        "type": "object",
+                        "additionalProperties": False,
+                        "properties": {
+                            "max": {"type": "integer", "minimum": 1, "maximum": 100, "default": 1},
+                            "wait": {"type": "number", "minimum": 0, "maximum": 60, "default": 0},
+                        },
+                    },
+                    required=False,
+                ),
+                "responses": {
+                    "200": _json(_ref("Items"), "The claimed items, with payloads; `[]` if none came in time."),
+                    **_errors(400, 401, 403, 404, 413, 503),
+                },
+            },
+        },
+        "/api/queues/{queue}/items/{item_id}/result": {
+            "parameters": [QUEUE_PARAM, ID_PARAM],
+            "post": {
+                "operationId": "handInResult",
+                "summary": "Hand in a result: the first for an item that is not terminal wins. Work right.",
+                "requestBody": _body(
+                    {
+                        "type": "object",
+                        "required": ["result"],
+                        "additionalProperties": False,
+                        "properties": {"result": {"description": "Any JSON value."}},
+                    }
+                ),
+                "responses": {
+                    "200": _json(
+                        {
+                            "type": "object",
+                            "required": ["id", "accepted", "status"],
+                            "properties": {
+                                "id": {"type": "string"},
+                                "accepted": {"type": "boolean"},
+                                "status": {"type": "string", "enum": ["finished", "failed"]},
+                            },
+                        },
+                        "Whether this result was the one kept.",
+                    ),
+                    **_errors(400, 401, 403, 404, 413, 503),
+                },
+            },
+        },
+        "/api/queues/{queue}/items/{item_id}/extend": {
+            "parameters": [QUEUE_PARAM, ID_PARAM],
+            "post": {
+                "operationId": "extendLease",
+                "summary": "Set a processing item's lease to end `seconds` from now. Work right.",
+                "requestBody": _body(
+                    {
+                        "type": "object",
+                        "required": ["seconds"],
+                        "additionalProperties": False,
+                        "properties": {"seconds": {"type": "number", "minimum": 1, "maximum": 86400}},
+                    }
+                ),
+                "responses": {
+                    "200": _json(_ref("Item"), "The item with its new `leaseExpiresAt`."),
+                    **_errors(400, 401, 403, 404, 409, 413, 503),
+                },
+            },
+        },
+    },
+    "components": {
+        "securitySchemes": {
+            "bearerToken": {"type": "http", "scheme": "bearer", "description": "`th_` + 32 characters."}
+        },
+        "schemas": {"Item": ITEM, "Items": ITEMS, "Queue": QUEUE, "Error": ERROR, "Post": POST},
+        "responses": {
+            f"Error{status}": _json(_ref("Error"), text) for status, text in ERROR_TEXT.items()
+        },
+    },
+}

@@ -1,0 +1,100 @@
+"""One HTTP request as the handlers see it: headers, query parameters, and a body read with a
+size limit."""
+
+import asyncio
+from functools import cached_property
+from urllib.parse import parse_qsl
+
+from ..exceptions import InvalidRequest, PayloadTooLarge
+from .fields import parse_json
+
+NO_BODY = object()
+
+
+class ClientGone(Exception):
+    """The client disconnected before its request was read: nobody is left to answer."""
+
+
+class Request:
+    def __init__(self, scope: dict, receive, *, max_body_bytes: int):
+        self.scope = scope
+        self._receive = receive
+        self.max_body_bytes = max_body_bytes
+        self._watcher: asyncio.Task | None = None
+        self._gone = False
+
+    @property
+    def method(self) -> str:
+        return self.scope["method"]
+
+    @property
+    def path(self) -> str:
+        return self.scope["path"]
+
+    def header(self, name: bytes) -> str | None:
+        for key, value in self.scope["headers"]:
+            if key.lower() == name:
+                return value.decode("latin-1")
+        return None
+
+    @cached_property
+    def query(self) -> dict[str, str]:
+        """Query parameters; a parameter given twice is refused rather than guessed at."""
+        pairs = parse_qsl(self.scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True)
+        query = {}
+        for key, value in pairs:
+            if key in query:
+                raise InvalidRequest(f"the query parameter {key[:40]!r} is given more than once")
+            query[key] = value
+        return query
+
+    async def body(self) -> bytes:
+        """The whole body, refused with 413 as soon as it passes the limit (before reading it
+        when Content-Length says so)."""
+        declared = self.header(b"content-length")
+        if declared is not None:
+            if not declared.strip().isdigit():
+                raise InvalidRequest("Content-Length is not a number")
+            self._check_size(int(declared))
+        chunks, size = [], 0
+        while True:
+            message = await self._receive()
+            if message["type"] == "http.disconnect":
+                raise ClientGone
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            self._check_size(size)
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+    async def json(self, *, when_empty=NO_BODY):
+        """The body parsed as JSON; `when_empty` stands in for an empty body if given."""
+        raw = await self.body()
+        if not raw.strip() and when_empty is not NO_BODY:
+            return when_empty
+        return parse_json(raw)
+
+    def _check_size(self, size: int) -> None:
+        if size > self.max_body_bytes:
+            raise PayloadTooLarge(f"the body is over {self.max_body_bytes} bytes")
+
+    # ---- noticing a client that left while its answer waits (long-polls) --------------------
+
+    def watch_disconnect(self) -> None:
+        """Start noticing a disconnect; call once the body has been read."""
+        if self._watcher is None:
+            self._watcher = asyncio.ensure_future(self._watch())
+
+    async def _watch(self) -> None:
+        while (await self._receive())["type"] != "http.disconnect":
+            pass
+        self._gone = True
+
+    @property
+    def gone(self) -> bool:
+        return self._gone
+
+    def close(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()

@@ -1,0 +1,262 @@
+"""Each API call's success path, with the JSON shapes SPEC shows."""
+
+import re
+import time
+
+import pytest
+from asgiref.sync import sync_to_async
+from django.db import OperationalError
+from django.db.backends.base.base import BaseDatabaseWrapper
+
+from api_support import api, bearer, disk_snapshot, queues, tokens  # noqa: F401  (fixtures)
+from queues import ids
+from queues.runtime import get_registry, get_store
+from queues.services import save_queue
+from queues.store import QueueConfig, Store
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+ISO = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z")
+asave_queue = sync_to_async(save_queue)
+ITEM_KEYS = {"id", "queue", "status", "attempts", "postedAt", "claimedAt", "leaseExpiresAt", "finishedAt"}
+
+
+async def post(api, token, payload, queue="jobs"):
+    answer = await api.post(f"/api/queues/{queue}/items", json={"payload": payload}, headers=bearer(token))
+    assert answer.status_code == 201, answer.text
+    return answer.json()
+
+
+async def claim(api, token, **body):
+    answer = await api.post("/api/queues/jobs/claim", json=body, headers=bearer(token))
+    assert answer.status_code == 200, answer.text
+    return answer.json()["items"]
+
+
+async def test_post_one_item_answers_the_pending_item_and_stores_it(api, queues, tokens):
+    answer = await api.post("/api/queues/jobs/items", json={"payload": {"n": 1}}, headers=bearer(tokens["all"]))
+
+    assert answer.status_code == 201
+    assert answer.headers["content-type"] == "application/json"
+    item = answer.json()
+    assert set(item) == ITEM_KEYS
+    assert ids.is_valid_id(item["id"])
+    assert (item["queue"], item["status"], item["attempts"]) == ("jobs", "pending", 0)
+    assert ISO.fullmatch(item["postedAt"])
+    assert item["claimedAt"] is item["leaseExpiresAt"] is item["finishedAt"] is None
+    assert f"jobs/pending/{item['id']}.json" in disk_snapshot()
+
+
+async def test_post_a_batch_answers_every_item_in_posting_order(api, queues, tokens):
+    body = {"items": [{"payload": n} for n in range(5)]}
+    answer = await api.post("/api/queues/jobs/items", json=body, headers=bearer(tokens["producer"]))
+
+    assert answer.status_code == 201
+    items = answer.json()["items"]
+    assert [set(i) for i in items] == [ITEM_KEYS] * 5
+    posted = [i["id"] for i in items]
+    assert posted == sorted(posted) and len(set(posted)) == 5
+    assert {f"jobs/pending/{i}.json" for i in posted} <= set(disk_snapshot())
+
+
+async def test_read_item_shows_the_payload_only_when_asked(api, queues, tokens):
+    item = await post(api, tokens["all"], {"photo": 7})
+
+    plain = await api.get(f"/api/queues/jobs/items/{item['id']}", headers=bearer(tokens["producer"]))
+    with_payload = await api.get(f"/api/queues/jobs/items/{item['id']}?payload=1", headers=bearer(tokens["all"]))
+
+    assert plain.status_code == with_payload.status_code == 200
+    assert plain.json() == item
+    assert with_payload.json() == {**item, "payload": {"photo": 7}}
+
+
+async def test_claim_hands_out_items_oldest_first_with_payloads_and_a_lease(api, queues, tokens):
+    first = await post(api, tokens["all"], "a")
+    second = await post(api, tokens["all"], "b")
+
+    claimed = await claim(api, tokens["worker"], max=5)
+
+    assert [c["id"] for c in claimed] == [first["id"], second["id"]]
+    one = claimed[0]
+    assert set(one) == ITEM_KEYS | {"payload"}
+    assert (one["status"], one["attempts"], one["payload"]) == ("processing", 1, "a")
+    assert ISO.fullmatch(one["claimedAt"]) and ISO.fullmatch(one["leaseExpiresAt"])
+    lease = ids.parse_iso(one["leaseExpiresAt"]) - ids.parse_iso(one["claimedAt"])
+    assert lease == pytest.approx(60, abs=0.01)  # the queue's default leaseSeconds
+    assert await claim(api, tokens["worker"]) == []
+
+
+async def test_claim_takes_an_empty_body_as_the_defaults(api, queues, tokens):
+    await post(api, tokens["all"], 1)
+    await post(api, tokens["all"], 2)
+
+    answer = await api.post("/api/queues/jobs/claim", headers=bearer(tokens["worker"]))
+
+    assert answer.status_code == 200
+    assert len(answer.json()["items"]) == 1
+
+
+async def test_claim_on_a_paused_queue_hands_out_nothing(api, queues, tokens):
+    await post(api, tokens["all"], 1)
+    await asave_queue("jobs", paused=True)
+    get_registry().invalidate()
+
+    assert await claim(api, tokens["worker"]) == []
+
+
+async def test_first_result_wins_and_a_later_one_is_refused(api, queues, tokens):
+    item = await post(api, tokens["all"], "x")
+    await claim(api, tokens["worker"])
+    url = f"/api/queues/jobs/items/{item['id']}/result"
+
+    first = await api.post(url, json={"result": {"ok": True}}, headers=bearer(tokens["worker"]))
+    second = await api.post(url, json={"result": "late"}, headers=bearer(tokens["worker"]))
+
+    assert first.status_code == second.status_code == 200
+    assert first.json() == {"id": item["id"], "accepted": True, "status": "finished"}
+    assert second.json() == {"id": item["id"], "accepted": False, "status": "finished"}
+    done = (await api.get(f"/api/queues/jobs/items/{item['id']}", headers=bearer(tokens["all"]))).json()
+    assert (done["status"], done["result"]) == ("finished", {"ok": True})
+    assert ISO.fullmatch(done["finishedAt"]) and done["leaseExpiresAt"] is None
+
+
+async def test_a_result_for_a_pending_item_is_accepted(api, queues, tokens):
+    item = await post(api, tokens["all"], "x")
+
+    answer = await api.post(
+        f"/api/queues/jobs/items/{item['id']}/result", json={"result": None}, headers=bearer(tokens["worker"])
+    )
+
+    assert answer.json() == {"id": item["id"], "accepted": True, "status": "finished"}
+
+
+async def test_a_result_for_an_aged_item_fails_it_with_timeout(api, queues, tokens):
+    await asave_queue("short", queue_seconds=1)
+    get_registry().invalidate()
+    earlier = Store(get_store().data_dir, fsync=False, clock=lambda: time.time() - 5)
+    old_id = earlier.post_items(queue="short", payloads=[1])[0].id  # posted five seconds ago
+
+    answer = await api.post(
+        f"/api/queues/short/items/{old_id}/result", json={"result": 1}, headers=bearer(tokens["worker"])
+    )
+
+    assert answer.json() == {"id": old_id, "accepted": False, "status": "failed"}
+    failed = (await api.get(f"/api/queues/short/items/{old_id}", headers=bearer(tokens["all"]))).json()
+    assert (failed["status"], failed["error"]) == ("failed", "timeout")
+    assert "result" not in failed
+
+
+async def test_extend_sets_the_lease_from_now(api, queues, tokens):
+    item = await post(api, tokens["all"], "x")
+    await claim(api, tokens["worker"])
+
+    before = time.time()
+    answer = await api.post(
+        f"/api/queues/jobs/items/{item['id']}/extend", json={"seconds": 600}, headers=bearer(tokens["worker"])
+    )
+
+    assert answer.status_code == 200
+    extended = answer.json()
+    assert set(extended) == ITEM_KEYS and extended["status"] == "processing"
+    assert before + 600 - 0.01 <= ids.parse_iso(extended["leaseExpiresAt"]) <= time.time() + 600 + 0.01
+
+
+async def test_queue_stats_show_settings_and_counts(api, queues, tokens):
+    for n in range(3):
+        await post(api, tokens["all"], n)
+    claimed = await claim(api, tokens["worker"])
+    await api.post(
+        f"/api/queues/jobs/items/{claimed[0]['id']}/result", json={"result": 1}, headers=bearer(tokens["worker"])
+    )
+    await claim(api, tokens["worker"])
+
+    answer = await api.get("/api/queues/jobs", headers=bearer(tokens["producer"]))
+
+    assert answer.status_code == 200
+    stats = answer.json()
+    age = stats.pop("oldestPendingAgeSeconds")
+    assert stats == {
+        "name": "jobs",
+        "leaseSeconds": 60,
+        "queueSeconds": 86400,
+        "retainSeconds": 3600,
+        "retainFrom": "finished",
+        "paused": False,
+        "counts": {"pending": 1, "processing": 1, "finished": 1, "failed": 0},
+    }
+    assert 0 <= age < 60
+
+
+async def test_queue_stats_of_an_empty_queue_have_no_oldest_age(api, queues, tokens):
+    stats = (await api.get("/api/queues/other", headers=bearer(tokens["all"]))).json()
+
+    assert stats["counts"] == {"pending": 0, "processing": 0, "finished": 0, "failed": 0}
+    assert stats["oldestPendingAgeSeconds"] is None
+
+
+async def test_queue_list_shows_only_the_queues_the_token_may_see(api, queues, tokens):
+    every = await api.get("/api/queues", headers=bearer(tokens["producer"]))
+    scoped = await api.get("/api/queues", headers=bearer(tokens["other_only"]))
+
+    assert every.status_code == scoped.status_code == 200
+    assert [q["name"] for q in every.json()["queues"]] == ["jobs", "other"]
+    assert [q["name"] for q in scoped.json()["queues"]] == ["other"]
+    assert set(scoped.json()["queues"][0]) == {
+        "name", "leaseSeconds", "queueSeconds", "retainSeconds", "retainFrom", "paused", "counts",
+        "oldestPendingAgeSeconds",
+    }
+
+
+async def test_first_terminal_answer_counts_as_the_fetch_for_retention(api, queues, tokens):
+    await asave_queue("jobs", retain_from="fetched", retain_seconds=0)
+    get_registry().invalidate()
+    config = QueueConfig(name="jobs", retain_seconds=0, retain_from="fetched")
+    item = await post(api, tokens["all"], "x")
+    await api.post(f"/api/queues/jobs/items/{item['id']}/result", json={"result": 1}, headers=bearer(tokens["all"]))
+    store = get_store()
+
+    assert store.delete_expired(config=config) == []  # never fetched: kept
+    shown = await api.get(f"/api/queues/jobs/items/{item['id']}", headers=bearer(tokens["all"]))
+
+    assert shown.json()["status"] == "finished"
+    assert store.delete_expired(config=config) == [item["id"]]
+
+
+async def test_health_is_ok_when_database_and_data_directory_work(api, transactional_db):
+    answer = await api.get("/healthz")
+
+    assert (answer.status_code, answer.json()) == (200, {"ok": True})
+
+
+async def test_health_is_503_when_the_data_directory_cannot_be_written(api, transactional_db, settings, tmp_path):
+    (tmp_path / "a-file").write_text("")
+    settings.TASKHOSTER_DATA_DIR = tmp_path / "a-file" / "data"
+    get_store.cache_clear()
+
+    answer = await api.get("/healthz")
+
+    assert answer.status_code == 503
+    assert answer.json() == {"ok": False, "database": True, "dataDirectory": False}
+
+
+async def test_health_is_503_when_the_database_does_not_answer(api, transactional_db, monkeypatch):
+    def refuse(self):
+        raise OperationalError("the database is down")
+
+    monkeypatch.setattr(BaseDatabaseWrapper, "ensure_connection", refuse)
+
+    answer = await api.get("/healthz")
+
+    assert answer.status_code == 503
+    assert answer.json() == {"ok": False, "database": False, "dataDirectory": True}
+
+
+async def test_a_payload_nested_to_the_limit_is_taken(api, queues, tokens):
+    value = "deep"
+    for _ in range(127):  # the body {"payload": ...} adds the 128th level
+        value = [value]
+
+    item = await post(api, tokens["all"], value)
+
+    claimed = await claim(api, tokens["worker"])
+    assert claimed[0]["id"] == item["id"] and claimed[0]["payload"] == value

@@ -1,0 +1,142 @@
+"""Waiting calls: a read with `wait` answers as soon as the item turns terminal, a claim with
+`wait` as soon as an item comes; neither busy-loops the disk, and a claim whose client left hands
+its items back."""
+
+import asyncio
+import json
+import time
+
+import pytest
+
+from api_support import api, bearer, queues, tokens  # noqa: F401  (fixtures)
+from queues.api import application, handlers
+from queues.runtime import get_registry, get_store
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+async def post(api, token) -> str:
+    answer = await api.post("/api/queues/jobs/items", json={"payload": "x"}, headers=bearer(token))
+    return answer.json()["id"]
+
+
+async def hand_in(api, token, item_id, result):
+    return await api.post(f"/api/queues/jobs/items/{item_id}/result", json={"result": result}, headers=bearer(token))
+
+
+async def wait_until_waiting(task: asyncio.Task, seconds: float = 0.3) -> None:
+    await asyncio.sleep(seconds)
+    assert not task.done(), "the call answered before anything happened"
+
+
+@pytest.fixture
+def rare_rereads(monkeypatch):
+    """Re-reads far apart, so only the in-process wake-up can answer within a second."""
+    monkeypatch.setattr(handlers, "RECHECK_SECONDS", 30.0)
+
+
+async def test_a_waiting_read_answers_within_a_second_of_the_result(api, queues, tokens, rare_rereads):
+    item_id = await post(api, tokens["all"])
+    reading = asyncio.create_task(api.get(f"/api/queues/jobs/items/{item_id}?wait=10", headers=bearer(tokens["all"])))
+    await wait_until_waiting(reading)
+
+    handed_in = time.monotonic()
+    await hand_in(api, tokens["all"], item_id, {"done": 1})
+    answer = await reading
+
+    assert time.monotonic() - handed_in < 1.0
+    assert answer.status_code == 200
+    assert (answer.json()["status"], answer.json()["result"]) == ("finished", {"done": 1})
+
+
+async def test_a_waiting_read_sees_a_result_from_another_process_by_re_reading(api, queues, tokens):
+    item_id = await post(api, tokens["all"])
+    reading = asyncio.create_task(api.get(f"/api/queues/jobs/items/{item_id}?wait=10", headers=bearer(tokens["all"])))
+    await wait_until_waiting(reading)
+
+    handed_in = time.monotonic()
+    config = get_registry().queue("jobs")
+    get_store().finish_item(config=config, item_id=item_id, result=2)  # no wake-up: as another process would
+    answer = await reading
+
+    assert time.monotonic() - handed_in < 3.0  # the re-read comes once a second, long before wait=10 ends
+    assert answer.json()["status"] == "finished"
+
+
+async def test_a_waiting_read_answers_the_pending_item_when_the_wait_ends(api, queues, tokens, monkeypatch):
+    item_id = await post(api, tokens["all"])
+    store = get_store()
+    reads = []
+    real_read = store.read_item
+
+    def counted_read(**kwargs):
+        reads.append(time.monotonic())
+        return real_read(**kwargs)
+
+    monkeypatch.setattr(store, "read_item", counted_read)
+
+    started = time.monotonic()
+    answer = await api.get(f"/api/queues/jobs/items/{item_id}?wait=1.5", headers=bearer(tokens["all"]))
+
+    assert time.monotonic() - started >= 1.5
+    assert (answer.status_code, answer.json()["status"]) == (200, "pending")
+    assert 2 <= len(reads) <= 4  # one read, then about one a second: no busy loop
+
+
+async def test_a_waiting_read_of_a_terminal_item_answers_at_once(api, queues, tokens):
+    item_id = await post(api, tokens["all"])
+    await hand_in(api, tokens["all"], item_id, 1)
+
+    started = time.monotonic()
+    answer = await api.get(f"/api/queues/jobs/items/{item_id}?wait=30", headers=bearer(tokens["all"]))
+
+    assert time.monotonic() - started < 1.0
+    assert answer.json()["status"] == "finished"
+
+
+async def test_a_waiting_claim_answers_within_a_second_of_a_post(api, queues, tokens, rare_rereads):
+    claiming = asyncio.create_task(
+        api.post("/api/queues/jobs/claim", json={"max": 3, "wait": 10}, headers=bearer(tokens["all"]))
+    )
+    await wait_until_waiting(claiming)
+
+    posted_at = time.monotonic()
+    item_id = await post(api, tokens["all"])
+    answer = await claiming
+
+    assert time.monotonic() - posted_at < 1.0
+    assert [i["id"] for i in answer.json()["items"]] == [item_id]
+
+
+async def test_a_waiting_claim_answers_no_items_when_the_wait_ends(api, queues, tokens):
+    started = time.monotonic()
+    answer = await api.post("/api/queues/jobs/claim", json={"wait": 1.2}, headers=bearer(tokens["all"]))
+
+    assert time.monotonic() - started >= 1.2
+    assert (answer.status_code, answer.json()) == (200, {"items": []})
+
+
+async def test_a_claim_whose_client_left_hands_its_items_back(api, queues, tokens):
+    item_id = await post(api, tokens["all"])
+    body = json.dumps({"wait": 5}).encode()
+    messages = iter([{"type": "http.request", "body": body, "more_body": False}, {"type": "http.disconnect"}])
+    sent = []
+
+    async def receive():
+        return next(messages)
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/api/queues/jobs/claim",
+        "query_string": b"",
+        "headers": [(b"authorization", f"Bearer {tokens['all']}".encode())],
+    }
+    await application(scope, receive, send)
+
+    assert json.loads(sent[-1]["body"]) == {"items": []}
+    item = get_store().read_item(queue="jobs", item_id=item_id)
+    assert (item.status, item.attempts) == ("pending", 1)  # claimed once, then handed back
