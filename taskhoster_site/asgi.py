@@ -15,14 +15,26 @@ from django.core.asgi import get_asgi_application  # noqa: E402
 
 django_application = get_asgi_application()  # sets Django up before the apps below import models
 
+from channels.auth import AuthMiddlewareStack  # noqa: E402
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
+from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
 from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler  # noqa: E402
+from django.urls import path  # noqa: E402
+
+from queues.api import application as api_application  # noqa: E402
+from queues.consumers import WorkConsumer  # noqa: E402
+from queues.dashboard.consumers import LIVE_PATH, DashboardConsumer  # noqa: E402
 
 http_routes = [
     # (path prefix, ASGI app): first match wins; added by the API.
+    ("/api/", api_application),
+    ("/healthz", api_application),
 ]
 websocket_urlpatterns = [
     # django.urls.path(...) entries: /work and the dashboard's live socket.
+    path("work", WorkConsumer.as_asgi()),  # checks its own Origin rule: workers send none
+    # staff only, by session login; a browser's socket must come from one of our own pages
+    path(LIVE_PATH, AllowedHostsOriginValidator(AuthMiddlewareStack(DashboardConsumer.as_asgi()))),
 ]
 
 

@@ -1,0 +1,323 @@
+"""The /work socket: workers claim items, hand in results, and extend or release leases.
+
+Each frame's `op` maps to one `handle_<op>` method that validates the frame, calls the store off
+the event loop and answers; the lifecycle rules live in the store. A connection remembers the
+items it holds (with their claim tokens) so that closing the socket re-queues them at once (G8).
+An `id` that is not of the id form is answered `not_found` by the store without touching the disk.
+"""
+
+import asyncio
+import json
+import logging
+from urllib.parse import parse_qs
+
+from channels.consumer import get_handler_name
+from channels.generic.websocket import AsyncWebsocketConsumer
+from django.conf import settings
+from django.http.request import split_domain_port, validate_host
+
+from . import ids
+from .api.fields import integer_field, json_object, number_field, parse_json
+from .events import hub
+from .exceptions import Forbidden, InvalidRequest, PayloadTooLarge, TaskhosterError, UnknownQueue
+from .runtime import get_registry, get_store, in_store_thread
+from .store import QueueConfig, Store
+
+log = logging.getLogger(__name__)
+
+UNAUTHORIZED = 4401  # close code for a handshake without a valid token with the right to work
+MAX_CLAIM = 100
+MAX_CLAIM_WAIT_SECONDS = 300
+MAX_LEASE_SECONDS = 86400
+MAX_RESULTS = 1000
+# a waiting claim re-reads the disk at least this often, so a lost wake-up costs at most this
+RECHECK_SECONDS = 1.0
+# claim tokens are hex: this one never matches, so only the connection's own claims count
+NOT_OURS = ""
+
+FIELDS = {
+    "claim": {"op", "ref", "queue", "max", "wait"},
+    "result": {"op", "ref", "queue", "id", "result"},
+    "results": {"op", "ref", "items"},
+    "extend": {"op", "ref", "queue", "id", "seconds"},
+    "release": {"op", "ref", "queue", "id"},
+}
+RESULT_FIELDS = {"queue", "id", "result"}
+
+
+def origin_allowed(scope) -> bool:
+    """Workers are not browsers: no Origin header is fine; one that is given must name a host in
+    ALLOWED_HOSTS (so a web page elsewhere cannot drive a worker socket)."""
+    origins = [value for name, value in scope["headers"] if name == b"origin"]
+    if not origins:
+        return True
+    _, _, netloc = origins[0].decode("latin-1").partition("://")
+    domain, _ = split_domain_port(netloc.split("/")[0])
+    return bool(domain) and validate_host(domain, settings.ALLOWED_HOSTS)
+
+
+def token_from(scope) -> str | None:
+    """The token from `Authorization: Bearer ...`, else from `?token=`."""
+    for name, value in scope["headers"]:
+        if name == b"authorization":
+            scheme, _, token = value.decode("latin-1").partition(" ")
+            if scheme.lower() == "bearer" and token.strip():
+                return token.strip()
+    tokens = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("token")
+    return tokens[0] if tokens else None
+
+
+def parse_frame(data: str | bytes) -> dict:
+    """A text frame, or a binary one holding UTF-8 JSON, as a JSON object."""
+    raw = data.encode("utf-8", "surrogatepass") if isinstance(data, str) else data
+    if len(raw) > settings.TASKHOSTER_MAX_BODY_BYTES:
+        raise PayloadTooLarge(f"the frame is {len(raw)} bytes; the limit is {settings.TASKHOSTER_MAX_BODY_BYTES}")
+    frame = parse_json(raw)
+    if not isinstance(frame, dict):
+        raise InvalidRequest("a frame must be a JSON object")
+    return frame
+
+
+def string_field(body: dict, name: str) -> str:
+    if name not in body:
+        raise InvalidRequest(f"the field {name!r} is required")
+    if not isinstance(body[name], str):
+        raise InvalidRequest(f"{name!r} must be a string")
+    return body[name]
+
+
+def result_field(body: dict):
+    if "result" not in body:
+        raise InvalidRequest("the field 'result' is required")
+    return body["result"]
+
+
+def finish_all(store: Store, entries: list[tuple[QueueConfig, str, object]]) -> list:
+    """Hand in each result; an item's own trouble (unknown id, too large) is its outcome."""
+    outcomes = []
+    for config, item_id, result in entries:
+        try:
+            outcomes.append(store.finish_item(config=config, item_id=item_id, result=result))
+        except TaskhosterError as error:
+            outcomes.append(error)
+    return outcomes
+
+
+def requeue_all(store: Store, held: dict[tuple[str, str], str]) -> dict[str, int]:
+    """Re-queue every item still held under its claim token; how many went back, per queue."""
+    requeued: dict[str, int] = {}
+    for (queue, item_id), claim_token in held.items():
+        try:
+            if store.requeue_item(queue=queue, item_id=item_id, claim_token=claim_token):
+                requeued[queue] = requeued.get(queue, 0) + 1
+        except TaskhosterError:
+            log.warning("could not re-queue item %s of %s", item_id, queue, exc_info=True)
+    return requeued
+
+
+class WorkConsumer(AsyncWebsocketConsumer):
+    # No channel per socket: wake-ups from other processes arrive once per process through
+    # queues/bridge.py, which feeds the in-process hub.
+    channel_layer_alias = None
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.token: str | None = None
+        self.held: dict[tuple[str, str], str] = {}  # (queue, id) -> claim token
+        self.waiting: set[asyncio.Task] = set()  # claims waiting for items
+        self.claiming: set[asyncio.Task] = set()  # store claims in flight
+
+    async def dispatch(self, message):
+        # Channels' dispatch awaits aclose_old_connections() (a thread hop) before every message;
+        # this consumer never touches the ORM (the registry reads the database in its own
+        # thread), so the hop would only slow every frame down.
+        handler = getattr(self, get_handler_name(message), None)
+        if handler is None:
+            raise ValueError(f"no handler for message type {message['type']}")
+        await handler(message)
+
+    # ---- connection ----------------------------------------------------------------------
+
+    async def connect(self):
+        if not origin_allowed(self.scope):
+            await self.close()  # before accepting: the handshake is answered HTTP 403
+            return
+        registry = get_registry()
+        await registry.arefresh()
+        token = token_from(self.scope)
+        grant = registry.authenticate(token)
+        await self.accept()
+        if grant is None or not grant.can_work:
+            await self.close(code=UNAUTHORIZED, reason="a valid API token with the right to work is required")
+            return
+        self.token = token
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            # also when a handler failed or the server is stopping, which both skip disconnect()
+            await self.let_go()
+
+    async def disconnect(self, code):
+        await self.let_go()
+
+    async def let_go(self) -> None:
+        """Stop the waiting claims and re-queue every item this connection still holds (G8)."""
+        for task in self.waiting:
+            task.cancel()
+        await asyncio.gather(*self.waiting, return_exceptions=True)
+        # a claim the thread finished after its socket went away still holds items: wait for it
+        await asyncio.gather(*self.claiming, return_exceptions=True)
+        held, self.held = self.held, {}
+        if held:
+            requeued = await in_store_thread(requeue_all, get_store(), held)
+            for queue, count in requeued.items():
+                hub.items_available(queue, count)
+
+    # ---- frames --------------------------------------------------------------------------
+
+    async def receive(self, text_data=None, bytes_data=None):
+        if self.token is None:
+            return  # refused; the close is on its way
+        ref = None
+        try:
+            frame = parse_frame(text_data if text_data is not None else bytes_data)
+            ref = frame.get("ref")
+            op = frame.get("op")
+            if not isinstance(op, str) or op not in FIELDS:
+                raise InvalidRequest(f"'op' must be one of: {', '.join(FIELDS)}")
+            json_object(frame, allowed=FIELDS[op], what="the frame")
+            await getattr(self, f"handle_{op}")(frame, ref)
+        except TaskhosterError as error:
+            await self.answer("error", ref, code=error.code, message=error.message)
+
+    async def answer(self, op: str, ref, **fields) -> None:
+        # ASCII-escaped, so any text a client sent (even a lone surrogate) encodes safely
+        await self.send(text_data=json.dumps({"op": op, "ref": ref, **fields}, separators=(",", ":")))
+
+    async def work_queue(self, name: str) -> QueueConfig:
+        """The queue's current settings, if this connection's token may work it (checked per frame,
+        so a token changed in the admin takes effect within a second)."""
+        registry = get_registry()
+        await registry.arefresh()
+        grant = registry.authenticate(self.token)
+        if grant is None or not grant.may("work", name):
+            raise Forbidden("this token may not work on this queue")
+        config = registry.queue(name)
+        if config is None:
+            raise UnknownQueue(f"no queue named {name[:80]!r}")
+        return config
+
+    async def handle_claim(self, frame: dict, ref) -> None:
+        name = string_field(frame, "queue")
+        max_items = integer_field(frame, "max", low=1, high=MAX_CLAIM, default=1)
+        wait = number_field(frame, "wait", low=0, high=MAX_CLAIM_WAIT_SECONDS, default=0)
+        items = await self.claim(await self.work_queue(name), max_items)
+        if items or not wait:
+            await self.answer("items", ref, items=[item.to_json(payload=True) for item in items])
+            return
+        task = asyncio.create_task(self.wait_and_claim(name, max_items, wait, ref))
+        self.waiting.add(task)
+        task.add_done_callback(self.waiting.discard)
+
+    async def wait_and_claim(self, name: str, max_items: int, wait: float, ref) -> None:
+        """Wait for a wake-up (or the periodic re-check) and claim; a wake-up that finds nothing
+        (another claimant was first) just waits again."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait
+        items = []
+        try:
+            while not items and (remaining := deadline - loop.time()) > 0:
+                await hub.wait_available(name, min(remaining, RECHECK_SECONDS))
+                items = await self.claim(await self.work_queue(name), max_items)
+            await self.answer("items", ref, items=[item.to_json(payload=True) for item in items])
+        except TaskhosterError as error:
+            await self.answer("error", ref, code=error.code, message=error.message)
+        except Exception:
+            # nobody awaits this task: close, so the worker learns its claim will not be answered
+            log.exception("a waiting claim failed")
+            await self.close(code=1011)
+
+    async def claim(self, config: QueueConfig, max_items: int) -> list:
+        # shielded: if this connection closes meanwhile, the claim still completes and its
+        # items are recorded as held, so disconnect() re-queues them
+        task = asyncio.create_task(self.claim_and_hold(config, max_items))
+        self.claiming.add(task)
+        task.add_done_callback(self.claiming.discard)
+        return await asyncio.shield(task)
+
+    async def claim_and_hold(self, config: QueueConfig, max_items: int) -> list:
+        items = await in_store_thread(get_store().claim_items, config=config, max_items=max_items)
+        for item in items:
+            self.held[(config.name, item.id)] = item.claim_token
+        return items
+
+    async def handle_result(self, frame: dict, ref) -> None:
+        name, item_id, result = string_field(frame, "queue"), string_field(frame, "id"), result_field(frame)
+        config = await self.work_queue(name)
+        outcome = await in_store_thread(get_store().finish_item, config=config, item_id=item_id, result=result)
+        self.settled(name, [(item_id, outcome)])
+        await self.answer("ack", ref, id=item_id, accepted=outcome.accepted)
+
+    async def handle_results(self, frame: dict, ref) -> None:
+        """Hand in a batch. A bad frame, or a queue that is unknown or not allowed, refuses the
+        whole batch; each item's own outcome (including `not_found`) is in its ack."""
+        entries = frame.get("items")
+        if not isinstance(entries, list) or not 1 <= len(entries) <= MAX_RESULTS:
+            raise InvalidRequest(f"'items' must be a list of 1 to {MAX_RESULTS} results")
+        parsed = []
+        for entry in entries:
+            json_object(entry, allowed=RESULT_FIELDS, what="each result")
+            parsed.append((string_field(entry, "queue"), string_field(entry, "id"), result_field(entry)))
+        configs = {name: await self.work_queue(name) for name in {name for name, _, _ in parsed}}
+        outcomes = await in_store_thread(
+            finish_all, get_store(), [(configs[name], item_id, result) for name, item_id, result in parsed]
+        )
+        acks = []
+        by_queue: dict[str, list] = {}
+        for (name, item_id, _), outcome in zip(parsed, outcomes):
+            if isinstance(outcome, TaskhosterError):
+                acks.append({"id": item_id, "accepted": False, "error": outcome.code})
+                continue
+            acks.append({"id": item_id, "accepted": outcome.accepted})
+            by_queue.setdefault(name, []).append((item_id, outcome))
+        for name, settled in by_queue.items():
+            self.settled(name, settled)
+        await self.answer("acks", ref, items=acks)
+
+    def settled(self, queue: str, outcomes: list) -> None:
+        """After results: the items are terminal, so this connection holds them no more, and
+        reads waiting on those that just ended wake."""
+        ended = []
+        for item_id, outcome in outcomes:
+            self.held.pop((queue, item_id), None)
+            if outcome.accepted or outcome.status == "failed":
+                ended.append(item_id)
+        if ended:
+            hub.items_terminal(queue, ended)
+
+    async def handle_extend(self, frame: dict, ref) -> None:
+        """Extend the lease of an item this connection holds (else `not_held`)."""
+        name, item_id = string_field(frame, "queue"), string_field(frame, "id")
+        seconds = number_field(frame, "seconds", low=1, high=MAX_LEASE_SECONDS)
+        await self.work_queue(name)
+        item = await in_store_thread(
+            get_store().extend_lease,
+            queue=name,
+            item_id=item_id,
+            seconds=seconds,
+            claim_token=self.held.get((name, item_id), NOT_OURS),
+        )
+        await self.answer("extended", ref, id=item_id, leaseExpiresAt=ids.iso(item.lease_expires_at))
+
+    async def handle_release(self, frame: dict, ref) -> None:
+        """Put an item this connection holds back to pending now (else `not_held`)."""
+        name, item_id = string_field(frame, "queue"), string_field(frame, "id")
+        await self.work_queue(name)
+        await in_store_thread(
+            get_store().release_item, queue=name, item_id=item_id, claim_token=self.held.get((name, item_id), NOT_OURS)
+        )
+        self.held.pop((name, item_id), None)
+        hub.items_available(name, 1)
+        await self.answer("released", ref, id=item_id)

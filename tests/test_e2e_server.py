@@ -1,0 +1,294 @@
+"""End to end: real `manage.py serve` processes, with workers and producers in processes of their
+own, on the default embedded settings (SQLite, in-memory channel layer) and on PostgreSQL + Redis.
+"""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from serverproc import Deployment, ServerProcess, postgres_database, redis_database
+
+REDIS_DB = 5  # this module's own Redis database
+WAKE_SECONDS = 1.0  # a dropped socket re-queues, and a post wakes a waiting claim, within this
+LOG_TIMEOUT = 15.0
+
+# A worker that claims `count` items, says which, and then hangs on to them.
+HOLDER = """
+import json, sys, time
+from websockets.sync.client import connect
+url, token, queue, count = sys.argv[1:]
+socket = connect(url, additional_headers={"Authorization": "Bearer " + token})
+socket.send(json.dumps({"op": "claim", "queue": queue, "max": int(count)}))
+print(json.dumps({"held": [item["id"] for item in json.loads(socket.recv())["items"]]}), flush=True)
+time.sleep(600)
+"""
+
+# A worker whose claim waits; it says when the server has taken the claim in, and when and what
+# it was answered.
+WAITER = """
+import json, sys, time
+from websockets.sync.client import connect
+url, token, queue = sys.argv[1:]
+socket = connect(url, additional_headers={"Authorization": "Bearer " + token})
+socket.send(json.dumps({"op": "claim", "queue": queue, "wait": 60, "ref": "claim"}))
+socket.send(json.dumps({"op": "sync", "ref": "sync"}))  # frames are handled in order
+assert json.loads(socket.recv())["ref"] == "sync"
+print(json.dumps({"waiting": True}), flush=True)
+answer = json.loads(socket.recv())
+print(json.dumps({"answered": time.time(), "ids": [item["id"] for item in answer["items"]]}), flush=True)
+"""
+
+# A worker that claims and finishes items for ever, reconnecting whenever the server goes away.
+WORKER = """
+import json, sys, time
+from websockets.exceptions import WebSocketException
+from websockets.sync.client import connect
+url, token, queue = sys.argv[1:]
+while True:
+    try:
+        with connect(url, additional_headers={"Authorization": "Bearer " + token}, open_timeout=2) as socket:
+            while True:
+                socket.send(json.dumps({"op": "claim", "queue": queue, "max": 5, "wait": 1}))
+                for item in json.loads(socket.recv())["items"]:
+                    print(json.dumps({"claimed": item["id"]}), flush=True)
+                    result = {"done": item["payload"]}
+                    socket.send(json.dumps({"op": "result", "queue": queue, "id": item["id"], "result": result}))
+                    if json.loads(socket.recv())["accepted"]:
+                        print(json.dumps({"accepted": item["id"], "result": result}), flush=True)
+    except (OSError, WebSocketException):
+        time.sleep(0.05)
+"""
+
+# A producer that posts items for ever, saying which ones were answered 201.
+PRODUCER = """
+import json, sys, time
+import httpx
+url, token, queue = sys.argv[1:]
+client = httpx.Client(base_url=url, headers={"Authorization": "Bearer " + token}, timeout=5)
+n = 0
+while True:
+    n += 1
+    try:
+        response = client.post(f"/api/queues/{queue}/items", json={"payload": n})
+    except httpx.HTTPError:
+        time.sleep(0.05)
+        continue
+    if response.status_code == 201:
+        print(json.dumps({"posted": response.json()["id"]}), flush=True)
+    time.sleep(0.003)
+"""
+
+
+class Client:
+    """A client script running in its own process; its output lines are JSON records."""
+
+    def __init__(self, directory: Path, name: str, script: str, *args: str):
+        self.log_path = directory / f"{name}.log"
+        with open(self.log_path, "wb") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-c", script, *args], stdout=log, stderr=subprocess.STDOUT
+            )
+
+    def records(self) -> list[dict]:
+        """Every complete line written so far (a process killed mid-line leaves half a line)."""
+        text = self.log_path.read_text(errors="replace")
+        lines = text.split("\n")[:-1]
+        return [json.loads(line) for line in lines if line.startswith("{")]
+
+    def values(self, key: str) -> list:
+        return [record[key] for record in self.records() if key in record]
+
+    def wait_for(self, key: str, count: int = 1, timeout: float = LOG_TIMEOUT) -> list:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = self.values(key)
+            if len(found) >= count:
+                return found
+            if self.process.poll() is not None:
+                break
+            time.sleep(0.01)
+        raise AssertionError(f"no {count} x {key!r} from the client; its output:\n{self.log_path.read_text()[-3000:]}")
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+
+@contextmanager
+def clients(directory: Path):
+    """Start clients with `start(name, script, *args)`; every one is killed at the end."""
+    started: list[Client] = []
+
+    def start(name: str, script: str, *args: str) -> Client:
+        client = Client(directory, name, script, *args)
+        started.append(client)
+        return client
+
+    try:
+        yield start
+    finally:
+        for client in started:
+            client.kill()
+
+
+@dataclass
+class Site:
+    deployment: Deployment
+    server: ServerProcess
+    token: str
+
+    def api(self, server: ServerProcess | None = None) -> httpx.Client:
+        return httpx.Client(
+            base_url=(server or self.server).url, headers={"Authorization": f"Bearer {self.token}"}, timeout=10
+        )
+
+
+@contextmanager
+def backing_services(variant: str):
+    """(database URL, Redis URL) of a variant: the embedded defaults, or PostgreSQL + Redis."""
+    if variant == "embedded":
+        yield None, None
+        return
+    with postgres_database() as database_url:
+        yield database_url, redis_database(REDIS_DB)
+
+
+def set_up(deployment: Deployment, queues: dict[str, tuple[str, ...]]) -> str:
+    """Schema, queues (with their createqueue options) and one token for everything."""
+    deployment.migrate()
+    for name, options in queues.items():
+        deployment.create_queue(name, *options)
+    return deployment.create_token("e2e")
+
+
+@pytest.fixture(scope="module", params=["embedded", "postgres"])
+def variant(request) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def site(variant, tmp_path_factory):
+    with backing_services(variant) as (database_url, redis_url):
+        deployment = Deployment(tmp_path_factory.mktemp(variant), database_url=database_url, redis_url=redis_url)
+        token = set_up(
+            deployment,
+            {"held": ("--lease-seconds", "300"), "woken": (), "load": ("--lease-seconds", "2")},
+        )
+        with deployment.server() as server:
+            yield Site(deployment, server, token)
+
+
+def test_items_of_a_killed_worker_are_pending_again_at_once(site, tmp_path):
+    with site.api() as api, clients(tmp_path) as start:
+        posted = [api.post("/api/queues/held/items", json={"payload": n}).json()["id"] for n in range(3)]
+        holder = start("holder", HOLDER, site.server.ws_url, site.token, "held", "3")
+        assert sorted(holder.wait_for("held")[0]) == sorted(posted)
+        assert {api.get(f"/api/queues/held/items/{i}").json()["status"] for i in posted} == {"processing"}
+        holder.kill()  # SIGKILL: the lease (300 s) is far away
+        deadline = time.monotonic() + WAKE_SECONDS
+        while time.monotonic() < deadline:
+            statuses = {api.get(f"/api/queues/held/items/{i}").json()["status"] for i in posted}
+            if statuses == {"pending"}:
+                break
+        assert statuses == {"pending"}
+
+
+def test_a_waiting_claim_is_woken_by_a_post_over_http(site, tmp_path):
+    with site.api() as api, clients(tmp_path) as start:
+        waiter = start("waiter", WAITER, site.server.ws_url, site.token, "woken")
+        waiter.wait_for("waiting")
+        posted_at = time.time()
+        item_id = api.post("/api/queues/woken/items", json={"payload": "wake up"}).json()["id"]
+        [answered] = waiter.wait_for("answered")
+        assert waiter.values("ids") == [[item_id]]
+        assert answered - posted_at < WAKE_SECONDS
+
+
+def test_two_servers_wake_each_other_and_hand_each_item_out_once(variant, tmp_path):
+    with ExitStack() as stack:
+        database_url, _ = stack.enter_context(backing_services(variant))
+        deployment = Deployment(tmp_path / "shared", database_url=database_url, redis_url=redis_database(REDIS_DB + 1))
+        token = set_up(deployment, {"shared": ()})
+        first = stack.enter_context(deployment.server())
+        second = stack.enter_context(deployment.server())
+        site = Site(deployment, first, token)
+        start = stack.enter_context(clients(tmp_path))
+        api_first, api_second = stack.enter_context(site.api(first)), stack.enter_context(site.api(second))
+
+        waiter = start("waiter", WAITER, first.ws_url, token, "shared")
+        waiter.wait_for("waiting")
+        posted_at = time.time()
+        item_id = api_second.post("/api/queues/shared/items", json={"payload": 0}).json()["id"]
+        [answered] = waiter.wait_for("answered")
+        assert waiter.values("ids") == [[item_id]]
+        assert answered - posted_at < WAKE_SECONDS
+
+        workers = [start(f"worker{n}", WORKER, server.ws_url, token, "shared") for n, server in enumerate([first, second] * 2)]
+        batch = [{"payload": n} for n in range(1, 301)]
+        posted = [item["id"] for item in api_first.post("/api/queues/shared/items", json={"items": batch[:150]}).json()["items"]]
+        posted += [item["id"] for item in api_second.post("/api/queues/shared/items", json={"items": batch[150:]}).json()["items"]]
+        posted.append(item_id)  # the waiter went away holding it: re-queued, so a worker gets it
+        deadline = time.monotonic() + LOG_TIMEOUT
+        while sum(len(w.values("accepted")) for w in workers) < len(posted) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        claimed = [item for w in workers for item in w.values("claimed")]
+        assert sorted(claimed) == sorted(posted)  # every item handed out, none twice
+        assert sum(1 for w in workers if w.values("claimed")) > 1
+        for api in (api_first, api_second):
+            counts = api.get("/api/queues/shared").json()["counts"]
+            assert counts == {"pending": 0, "processing": 0, "finished": len(posted), "failed": 0}
+
+
+def test_nothing_acknowledged_is_lost_when_the_server_is_killed_under_load(site, tmp_path):
+    server = site.server
+    with clients(tmp_path) as start:
+        producer = start("producer", PRODUCER, server.url, site.token, "load")
+        workers = [start(f"worker{n}", WORKER, server.ws_url, site.token, "load") for n in range(2)]
+
+        def acknowledged() -> tuple[int, int]:
+            return len(producer.values("posted")), sum(len(w.values("accepted")) for w in workers)
+
+        def wait_for_more(posts: int, results: int) -> None:
+            deadline = time.monotonic() + LOG_TIMEOUT
+            while time.monotonic() < deadline:
+                if all(now >= before + 20 for now, before in zip(acknowledged(), (posts, results))):
+                    return
+                time.sleep(0.05)
+            raise AssertionError(f"the load stalled at {acknowledged()}; server output:\n{server.output()[-3000:]}")
+
+        wait_for_more(0, 0)
+        server.kill()
+        before_restart = acknowledged()
+        server.start()
+        wait_for_more(*before_restart)
+        for client in (producer, *workers):
+            client.kill()
+
+    with site.api() as api:
+        for item_id in producer.values("posted"):
+            assert api.get(f"/api/queues/load/items/{item_id}").status_code == 200
+        for worker in workers:
+            for record in worker.records():
+                if "accepted" in record:
+                    item = api.get(f"/api/queues/load/items/{record['accepted']}").json()
+                    assert (item["status"], item["result"]) == ("finished", record["result"])
+
+
+@pytest.mark.parametrize("stop_signal", [signal.SIGINT, signal.SIGTERM])
+def test_serve_prints_where_it_serves_and_stops_cleanly(site, stop_signal):
+    server = site.deployment.server()
+    with server:
+        output = server.output()
+        for url in ("http://127.0.0.1:{}/", "/admin/", "/api/", "ws://127.0.0.1:{}/work"):
+            assert url.format(server.port, server.port) in output
+        assert "manage.py createtoken" in output
+        assert server.stop(stop_signal) == 0

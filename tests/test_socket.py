@@ -1,0 +1,615 @@
+"""The /work socket, driven in-process through the real ASGI application, and the channel-layer
+bridge that carries wake-ups between server processes."""
+
+import asyncio
+import json
+import shutil
+import threading
+from contextlib import asynccontextmanager
+
+import pytest
+from channels.layers import InMemoryChannelLayer
+from channels.testing import WebsocketCommunicator
+
+from queues import consumers
+from queues.bridge import ChannelBridge, group_name
+from queues.events import Hub, hub
+from queues.models import ApiToken
+from queues.runtime import get_registry, get_store
+from queues.services import save_queue
+from queues.store import QueueConfig
+from taskhoster_site.asgi import application
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+TIMEOUT = 3
+MISSING_ID = "0193a4b2-7c1e-7d3a-9f00-2b6c1d0e4f55"  # the form of an id, never posted
+
+
+def make_token(*, queues=(), produce=True, work=True) -> str:
+    token = ApiToken(name="t", can_produce=produce, can_work=work, queues=list(queues))
+    raw = token.set_new_value()
+    token.save()
+    get_registry().invalidate()
+    return raw
+
+
+@pytest.fixture
+def queues():
+    for name in ("jobs", "other"):
+        save_queue(name, lease_seconds=30)
+    get_registry().invalidate()
+
+
+@pytest.fixture
+def token(queues) -> str:
+    return make_token()
+
+
+def auth(token: str) -> list:
+    return [(b"authorization", f"Bearer {token}".encode())]
+
+
+@asynccontextmanager
+async def connected(token: str, *, headers=(), path="/work"):
+    ws = WebsocketCommunicator(application, path, headers=[*auth(token), *headers])
+    accepted, _ = await ws.connect()
+    assert accepted
+    try:
+        yield ws
+    finally:
+        await ws.disconnect(timeout=TIMEOUT)
+
+
+async def ask(ws, frame) -> dict:
+    await ws.send_to(text_data=frame if isinstance(frame, str) else json.dumps(frame))
+    return await ws.receive_json_from(timeout=TIMEOUT)
+
+
+def post(queue: str, *payloads, wake: bool = True) -> list[str]:
+    items = get_store().post_items(queue=queue, payloads=list(payloads))
+    if wake:
+        hub.items_available(queue, len(items))
+    return [item.id for item in items]
+
+
+def status(queue: str, item_id: str) -> str:
+    return get_store().read_item(queue=queue, item_id=item_id).status
+
+
+def config(name: str) -> QueueConfig:
+    return QueueConfig(name=name, lease_seconds=30)
+
+
+# ---- claim, result, results, extend, release ---------------------------------------------
+
+
+async def test_claim_hands_out_oldest_items_with_payload_and_echoes_ref(token):
+    first, second, _ = post("jobs", {"n": 1}, {"n": 2}, {"n": 3})
+    async with connected(token) as ws:
+        answer = await ask(ws, {"op": "claim", "queue": "jobs", "max": 2, "ref": "c1"})
+    assert answer["op"] == "items" and answer["ref"] == "c1"
+    assert [item["id"] for item in answer["items"]] == [first, second]
+    assert [item["payload"] for item in answer["items"]] == [{"n": 1}, {"n": 2}]
+    assert all(item["status"] == "processing" and item["attempts"] == 1 for item in answer["items"])
+    assert answer["items"][0]["leaseExpiresAt"] is not None
+
+
+async def test_claim_without_items_or_wait_answers_an_empty_list_and_ref_null(token):
+    async with connected(token) as ws:
+        assert await ask(ws, {"op": "claim", "queue": "jobs"}) == {"op": "items", "ref": None, "items": []}
+
+
+async def test_a_paused_queue_hands_out_nothing(token):
+    post("jobs", 1)
+    await asyncio.to_thread(save_queue, "jobs", paused=True)
+    get_registry().invalidate()
+    async with connected(token) as ws:
+        assert (await ask(ws, {"op": "claim", "queue": "jobs", "max": 5}))["items"] == []
+
+
+async def test_first_result_wins_and_a_later_one_is_refused(token):
+    [item_id] = post("jobs", "x")
+    async with connected(token) as ws:
+        await ask(ws, {"op": "claim", "queue": "jobs"})
+        first = await ask(ws, {"op": "result", "queue": "jobs", "id": item_id, "result": {"ok": 1}, "ref": 7})
+        second = await ask(ws, {"op": "result", "queue": "jobs", "id": item_id, "result": {"ok": 2}})
+    assert first == {"op": "ack", "ref": 7, "id": item_id, "accepted": True}
+    assert second == {"op": "ack", "ref": None, "id": item_id, "accepted": False}
+    item = get_store().read_item(queue="jobs", item_id=item_id)
+    assert (item.status, item.result) == ("finished", {"ok": 1})
+
+
+async def test_a_result_is_accepted_for_a_pending_item_claimed_by_nobody(token):
+    [item_id] = post("jobs", "x")
+    async with connected(token) as ws:
+        answer = await ask(ws, {"op": "result", "queue": "jobs", "id": item_id, "result": None})
+    assert answer["accepted"] is True
+    assert status("jobs", item_id) == "finished"
+
+
+async def test_results_batch_acks_in_order_with_not_found_for_unknown_ids(token):
+    first, second = post("jobs", 1, 2)
+    [elsewhere] = post("other", 3)
+    async with connected(token) as ws:
+        await ask(ws, {"op": "claim", "queue": "jobs", "max": 2})
+        answer = await ask(
+            ws,
+            {
+                "op": "results",
+                "ref": "b",
+                "items": [
+                    {"queue": "jobs", "id": second, "result": "two"},
+                    {"queue": "jobs", "id": MISSING_ID, "result": 0},
+                    {"queue": "other", "id": elsewhere, "result": "three"},
+                    {"queue": "jobs", "id": "not-an-id", "result": 0},
+                    {"queue": "jobs", "id": second, "result": "again"},
+                    {"queue": "jobs", "id": first, "result": "one"},
+                ],
+            },
+        )
+    assert answer == {
+        "op": "acks",
+        "ref": "b",
+        "items": [
+            {"id": second, "accepted": True},
+            {"id": MISSING_ID, "accepted": False, "error": "not_found"},
+            {"id": elsewhere, "accepted": True},
+            {"id": "not-an-id", "accepted": False, "error": "not_found"},
+            {"id": second, "accepted": False},
+            {"id": first, "accepted": True},
+        ],
+    }
+    assert get_store().read_item(queue="jobs", item_id=second).result == "two"
+    assert status("other", elsewhere) == "finished"
+
+
+async def test_extend_sets_the_lease_from_now(token):
+    [item_id] = post("jobs", 1)
+    async with connected(token) as ws:
+        await ask(ws, {"op": "claim", "queue": "jobs"})
+        answer = await ask(ws, {"op": "extend", "queue": "jobs", "id": item_id, "seconds": 3600, "ref": "e"})
+        item = get_store().read_item(queue="jobs", item_id=item_id)
+    assert answer == {"op": "extended", "ref": "e", "id": item_id, "leaseExpiresAt": item.to_json()["leaseExpiresAt"]}
+    assert item.lease_expires_at - item.claimed_at == pytest.approx(3600, abs=5)
+
+
+async def test_release_puts_the_item_back_to_pending_at_once(token):
+    [item_id] = post("jobs", 1)
+    async with connected(token) as ws:
+        await ask(ws, {"op": "claim", "queue": "jobs"})
+        answer = await ask(ws, {"op": "release", "queue": "jobs", "id": item_id, "ref": "r"})
+        assert answer == {"op": "released", "ref": "r", "id": item_id}
+        assert status("jobs", item_id) == "pending"
+        again = await ask(ws, {"op": "claim", "queue": "jobs"})
+    assert again["items"][0]["id"] == item_id and again["items"][0]["attempts"] == 2
+
+
+async def test_extend_or_release_of_an_item_not_held_is_not_held(token):
+    finished, pending, theirs = post("jobs", 1, 2, 3)
+    async with connected(token) as ws:
+        await ask(ws, {"op": "result", "queue": "jobs", "id": finished, "result": 1})
+        get_store().claim_items(config=config("jobs"), max_items=2)  # someone else holds pending, theirs
+        get_store().release_item(queue="jobs", item_id=pending)
+        for item_id in (finished, pending, theirs):
+            for frame in (
+                {"op": "extend", "queue": "jobs", "id": item_id, "seconds": 10, "ref": item_id},
+                {"op": "release", "queue": "jobs", "id": item_id, "ref": item_id},
+            ):
+                answer = await ask(ws, frame)
+                assert (answer["op"], answer["code"], answer["ref"]) == ("error", "not_held", item_id)
+    assert [status("jobs", i) for i in (finished, pending, theirs)] == ["finished", "pending", "processing"]
+
+
+@pytest.mark.parametrize("op", ["result", "extend", "release"])
+@pytest.mark.parametrize("item_id", [MISSING_ID, "../../etc/passwd", "0193A4B2-7C1E-7D3A-9F00-2B6C1D0E4F55"])
+async def test_an_unknown_or_malformed_id_is_not_found(token, op, item_id):
+    frame = {"op": op, "queue": "jobs", "id": item_id, "ref": 1}
+    frame.update({"result": {"result": 1}, "extend": {"seconds": 5}, "release": {}}[op])
+    async with connected(token) as ws:
+        answer = await ask(ws, frame)
+    assert (answer["op"], answer["code"], answer["ref"]) == ("error", "not_found", 1)
+    assert answer["message"]
+
+
+async def test_a_binary_frame_holding_json_is_answered_too(token):
+    async with connected(token) as ws:
+        await ws.send_to(bytes_data=json.dumps({"op": "claim", "queue": "jobs", "ref": "bin"}).encode())
+        assert (await ws.receive_json_from(timeout=TIMEOUT))["ref"] == "bin"
+
+
+# ---- errors: every one answered, nothing changed, the socket stays open -------------------
+
+BAD_FRAMES = [
+    ("{not json", "invalid_json"),
+    ('{"op": "claim", "queue": "jobs", "max": NaN}', "invalid_json"),
+    ("[" * 100_000, "invalid_json"),
+    ("[1, 2]", "invalid_request"),
+    ('"claim"', "invalid_request"),
+    ({"ref": 1}, "invalid_request"),
+    ({"op": "dance", "ref": 1}, "invalid_request"),
+    ({"op": 5}, "invalid_request"),
+    ({"op": "claim"}, "invalid_request"),
+    ({"op": "claim", "queue": 5}, "invalid_request"),
+    ({"op": "claim", "queue": "jobs", "max": 0}, "invalid_request"),
+    ({"op": "claim", "queue": "jobs", "max": 101}, "invalid_request"),
+    ({"op": "claim", "queue": "jobs", "max": "1"}, "invalid_request"),
+    ({"op": "claim", "queue": "jobs", "max": True}, "invalid_request"),
+    ({"op": "claim", "queue": "jobs", "max": 1.5}, "invalid_request"),
+    ({"op": "claim", "queue": "jobs", "wait": -1}, "invalid_request"),
+    ({"op": "claim", "queue": "jobs", "wait": 301}, "invalid_request"),
+    ({"op": "claim", "queue": "jobs", "wait": "soon"}, "invalid_request"),
+    ({"op": "claim", "queue": "jobs", "colour": "red"}, "invalid_request"),
+    ({"op": "result", "queue": "jobs", "id": MISSING_ID}, "invalid_request"),
+    ({"op": "result", "queue": "jobs", "id": 5, "result": 1}, "invalid_request"),
+    ({"op": "result", "queue": "jobs", "result": 1}, "invalid_request"),
+    ({"op": "result", "queue": "jobs", "id": MISSING_ID, "result": "\ud800", "ref": "\udfff"}, "invalid_request"),
+    ({"op": "results", "items": []}, "invalid_request"),
+    ({"op": "results", "items": {"queue": "jobs"}}, "invalid_request"),
+    ({"op": "results", "items": [{"queue": "jobs", "id": MISSING_ID, "result": 1}] * 1001}, "invalid_request"),
+    ({"op": "results", "items": ["x"]}, "invalid_request"),
+    ({"op": "results", "items": [{"queue": "jobs", "id": MISSING_ID}]}, "invalid_request"),
+    ({"op": "results", "items": [{"queue": "jobs", "id": MISSING_ID, "result": 1, "x": 1}]}, "invalid_request"),
+    ({"op": "extend", "queue": "jobs", "id": MISSING_ID}, "invalid_request"),
+    ({"op": "extend", "queue": "jobs", "id": MISSING_ID, "seconds": 0}, "invalid_request"),
+    ({"op": "extend", "queue": "jobs", "id": MISSING_ID, "seconds": 86401}, "invalid_request"),
+    ({"op": "release", "queue": "jobs"}, "invalid_request"),
+    ({"op": "claim", "queue": "nope"}, "unknown_queue"),
+    ({"op": "claim", "queue": "Bad Name!"}, "unknown_queue"),
+    ({"op": "result", "queue": "nope", "id": MISSING_ID, "result": 1}, "unknown_queue"),
+    ({"op": "results", "items": [{"queue": "nope", "id": MISSING_ID, "result": 1}]}, "unknown_queue"),
+    ({"op": "extend", "queue": "nope", "id": MISSING_ID, "seconds": 5}, "unknown_queue"),
+    ({"op": "release", "queue": "nope", "id": MISSING_ID}, "unknown_queue"),
+]
+
+
+@pytest.mark.parametrize("frame, code", BAD_FRAMES)
+async def test_bad_frames_get_an_error_and_the_socket_stays_open(token, frame, code):
+    [item_id] = post("jobs", 1)
+    async with connected(token) as ws:
+        answer = await ask(ws, frame)
+        assert answer["op"] == "error" and answer["code"] == code and answer["message"]
+        if isinstance(frame, dict) and "ref" in frame:
+            assert answer["ref"] == frame["ref"]
+        assert status("jobs", item_id) == "pending"  # nothing changed
+        assert (await ask(ws, {"op": "claim", "queue": "jobs", "ref": "next"}))["items"][0]["id"] == item_id
+
+
+async def test_a_queue_the_token_may_not_work_is_forbidden(queues):
+    scoped = await asyncio.to_thread(make_token, queues=["other"])
+    [item_id] = post("jobs", 1)
+    async with connected(scoped) as ws:
+        for frame in (
+            {"op": "claim", "queue": "jobs", "ref": 1},
+            {"op": "claim", "queue": "nope", "ref": 1},  # no telling whether a queue exists
+            {"op": "result", "queue": "jobs", "id": item_id, "result": 1, "ref": 1},
+            {"op": "results", "ref": 1, "items": [{"queue": "jobs", "id": item_id, "result": 1}]},
+            {"op": "extend", "queue": "jobs", "id": item_id, "seconds": 5, "ref": 1},
+            {"op": "release", "queue": "jobs", "id": item_id, "ref": 1},
+        ):
+            answer = await ask(ws, frame)
+            assert (answer["op"], answer["code"], answer["ref"]) == ("error", "forbidden", 1)
+        assert (await ask(ws, {"op": "claim", "queue": "other"}))["op"] == "items"
+    assert status("jobs", item_id) == "pending"
+
+
+async def test_a_token_deleted_while_connected_may_do_nothing_more(token):
+    post("jobs", 1)
+    async with connected(token) as ws:
+        await asyncio.to_thread(ApiToken.objects.all().delete)
+        get_registry().invalidate()
+        answer = await ask(ws, {"op": "claim", "queue": "jobs"})
+    assert answer["code"] == "forbidden"
+
+
+async def test_frames_over_the_body_limit_are_too_large(token, settings):
+    settings.TASKHOSTER_MAX_BODY_BYTES = 1000
+    async with connected(token) as ws:
+        answer = await ask(ws, {"op": "claim", "queue": "jobs", "pad": "x" * 1000, "ref": 1})
+        assert (answer["code"], answer["ref"]) == ("payload_too_large", None)
+        assert (await ask(ws, {"op": "claim", "queue": "jobs"}))["op"] == "items"
+
+
+async def test_a_result_over_the_payload_limit_is_too_large_and_changes_nothing(token, settings):
+    settings.TASKHOSTER_MAX_PAYLOAD_BYTES = 100
+    get_store.cache_clear()
+    [item_id] = post("jobs", 1)
+    async with connected(token) as ws:
+        await ask(ws, {"op": "claim", "queue": "jobs"})
+        answer = await ask(ws, {"op": "result", "queue": "jobs", "id": item_id, "result": "x" * 200, "ref": 2})
+        assert (answer["code"], answer["ref"]) == ("payload_too_large", 2)
+        batch = await ask(ws, {"op": "results", "items": [{"queue": "jobs", "id": item_id, "result": "x" * 200}]})
+        assert batch["items"] == [{"id": item_id, "accepted": False, "error": "payload_too_large"}]
+        assert status("jobs", item_id) == "processing"
+        assert (await ask(ws, {"op": "result", "queue": "jobs", "id": item_id, "result": "ok"}))["accepted"]
+
+
+async def test_a_data_directory_that_cannot_be_written_is_storage_unavailable(token, settings):
+    [item_id] = post("jobs", 1)
+    async with connected(token) as ws:
+        await ask(ws, {"op": "claim", "queue": "jobs"})
+        tmp = settings.TASKHOSTER_DATA_DIR / "jobs" / "tmp"
+        shutil.rmtree(tmp)
+        tmp.write_text("not a directory")  # every write goes through tmp/ first
+        answer = await ask(ws, {"op": "result", "queue": "jobs", "id": item_id, "result": 1, "ref": 3})
+        assert (answer["code"], answer["ref"]) == ("storage_unavailable", 3)
+        assert status("jobs", item_id) == "processing"
+        tmp.unlink()
+        tmp.mkdir()
+        assert (await ask(ws, {"op": "result", "queue": "jobs", "id": item_id, "result": 1}))["accepted"]
+
+
+# ---- handshake ---------------------------------------------------------------------------
+
+
+async def refused_with(headers, path="/work") -> tuple[bool, int | None]:
+    """(accepted, close code that followed)."""
+    ws = WebsocketCommunicator(application, path, headers=headers)
+    accepted, code = await ws.connect()
+    if accepted:
+        message = await ws.receive_output(timeout=TIMEOUT)
+        code = message["code"] if message["type"] == "websocket.close" else None
+    await ws.disconnect(timeout=TIMEOUT)
+    return accepted, code
+
+
+async def test_a_handshake_without_a_valid_token_with_the_right_to_work_is_closed_4401(queues):
+    producer = await asyncio.to_thread(make_token, work=False)
+    assert await refused_with([]) == (True, 4401)
+    assert await refused_with(auth("th_not-a-real-token")) == (True, 4401)
+    assert await refused_with([(b"authorization", b"Basic dXNlcjpwYXNz")]) == (True, 4401)
+    assert await refused_with(auth(producer)) == (True, 4401)
+
+
+async def test_the_token_may_come_in_the_query_string(token):
+    ws = WebsocketCommunicator(application, f"/work?token={token}")
+    assert (await ws.connect())[0]
+    assert (await ask(ws, {"op": "claim", "queue": "jobs"}))["op"] == "items"
+    await ws.disconnect()
+
+
+async def test_a_handshake_without_origin_is_accepted_and_a_matching_origin_too(token):
+    for headers in ([], [(b"origin", b"http://localhost:8000")], [(b"origin", b"https://127.0.0.1")]):
+        async with connected(token, headers=headers) as ws:
+            assert (await ask(ws, {"op": "claim", "queue": "jobs"}))["op"] == "items"
+
+
+@pytest.mark.parametrize("origin", [b"http://evil.example", b"null", b"http://localhost.evil.example:8000", b"garbage"])
+async def test_a_handshake_from_a_foreign_origin_is_refused(token, origin):
+    ws = WebsocketCommunicator(application, "/work", headers=[*auth(token), (b"origin", origin)])
+    accepted, _ = await ws.connect()
+    assert not accepted  # refused before the handshake completes: HTTP 403
+    await ws.disconnect(timeout=TIMEOUT)
+
+
+# ---- waiting claims ----------------------------------------------------------------------
+
+
+@pytest.fixture
+def no_recheck(monkeypatch):
+    """Waiting claims rely on wake-ups alone (the periodic re-check is pushed far out)."""
+    monkeypatch.setattr(consumers, "RECHECK_SECONDS", 60)
+
+
+async def test_several_claims_wait_at_once_while_other_frames_flow(token, no_recheck):
+    [held] = post("jobs", "held")
+    async with connected(token) as ws:
+        await ask(ws, {"op": "claim", "queue": "jobs"})
+        for ref, queue in (("a", "jobs"), ("b", "other"), ("c", "jobs")):
+            await ws.send_json_to({"op": "claim", "queue": queue, "wait": 60, "ref": ref})
+        extended = await ask(ws, {"op": "extend", "queue": "jobs", "id": held, "seconds": 99, "ref": "x"})
+        assert extended["op"] == "extended"
+        assert (await ask(ws, {"op": "result", "queue": "jobs", "id": held, "result": 1}))["accepted"]
+        [other_id] = post("other", "o")
+        answer = await ws.receive_json_from(timeout=TIMEOUT)
+        assert (answer["ref"], [i["id"] for i in answer["items"]]) == ("b", [other_id])
+        first, second = post("jobs", 1, 2)
+        answers = {a["ref"]: a for a in [await ws.receive_json_from(timeout=TIMEOUT) for _ in range(2)]}
+        assert {answers["a"]["items"][0]["id"], answers["c"]["items"][0]["id"]} == {first, second}
+
+
+async def test_a_waiting_claim_is_woken_by_a_post(token, no_recheck):
+    async with connected(token) as ws:
+        await ws.send_json_to({"op": "claim", "queue": "jobs", "wait": 60, "max": 10, "ref": "w"})
+        assert (await ask(ws, {"op": "nothing", "ref": "sync"}))["ref"] == "sync"  # the claim waits
+        ids = post("jobs", 1, 2, 3)
+        answer = await ws.receive_json_from(timeout=TIMEOUT)
+    assert answer["ref"] == "w" and [item["id"] for item in answer["items"]] == ids
+
+
+async def test_a_waiting_claim_rechecks_the_disk_without_a_wake_up(token):
+    async with connected(token) as ws:
+        await ws.send_json_to({"op": "claim", "queue": "jobs", "wait": 60, "ref": "w"})
+        await ask(ws, {"op": "nothing"})
+        [item_id] = post("jobs", 1, wake=False)  # as if posted by another process, wake-up lost
+        answer = await ws.receive_json_from(timeout=consumers.RECHECK_SECONDS + TIMEOUT)
+    assert answer["items"][0]["id"] == item_id
+
+
+async def test_a_waiting_claim_answers_empty_when_its_wait_is_over(token):
+    async with connected(token) as ws:
+        await ws.send_json_to({"op": "claim", "queue": "jobs", "wait": 0.2, "ref": "w"})
+        assert await ws.receive_json_from(timeout=TIMEOUT) == {"op": "items", "ref": "w", "items": []}
+
+
+async def test_a_woken_claim_that_finds_nothing_waits_again(token, no_recheck):
+    async with connected(token) as ws:
+        await ws.send_json_to({"op": "claim", "queue": "jobs", "wait": 60, "ref": "w"})
+        await ask(ws, {"op": "nothing"})
+        post("jobs", "taken", wake=False)
+        get_store().claim_items(config=config("jobs"), max_items=1)  # another worker was first
+        hub.items_available("jobs", 1)
+        await asyncio.sleep(0.2)
+        assert await ws.receive_nothing(timeout=0.1)
+        [item_id] = post("jobs", "second")
+        answer = await ws.receive_json_from(timeout=TIMEOUT)
+    assert answer["items"][0]["id"] == item_id
+
+
+# ---- closing the socket re-queues what it holds (G8) -------------------------------------
+
+
+async def test_disconnect_requeues_held_items_and_wakes_a_waiting_claim(token, no_recheck):
+    finished, held, released = post("jobs", 1, 2, 3)
+    async with connected(token) as other:
+        async with connected(token) as ws:
+            await ask(ws, {"op": "claim", "queue": "jobs", "max": 3})
+            await ask(ws, {"op": "result", "queue": "jobs", "id": finished, "result": 1})
+            await ask(ws, {"op": "release", "queue": "jobs", "id": released})
+            await ask(other, {"op": "claim", "queue": "jobs"})  # takes `released` back
+            await other.send_json_to({"op": "claim", "queue": "jobs", "wait": 60, "ref": "w"})
+            await ask(other, {"op": "nothing"})
+        answer = await other.receive_json_from(timeout=TIMEOUT)
+        assert [item["id"] for item in answer["items"]] == [held]
+        assert answer["items"][0]["attempts"] == 2
+    assert status("jobs", finished) == "finished"
+
+
+async def test_disconnect_leaves_alone_items_finished_or_claimed_since_by_someone_else(token):
+    finished_elsewhere, reclaimed, held = post("jobs", 1, 2, 3)
+    async with connected(token) as ws:
+        await ask(ws, {"op": "claim", "queue": "jobs", "max": 3})
+        store = get_store()
+        store.finish_item(config=config("jobs"), item_id=finished_elsewhere, result="theirs")
+        store.release_item(queue="jobs", item_id=reclaimed)  # as the sweep does when a lease lapses
+        [theirs] = store.claim_items(config=config("jobs"), max_items=1)
+    assert theirs.id == reclaimed
+    assert status("jobs", finished_elsewhere) == "finished"
+    assert store.read_item(queue="jobs", item_id=reclaimed).claim_token == theirs.claim_token
+    assert status("jobs", held) == "pending"
+
+
+async def test_an_item_claimed_for_a_socket_that_closed_meanwhile_goes_back_to_pending(token, no_recheck, monkeypatch):
+    store = get_store()
+    real_claim = store.claim_items
+    calls, claiming, finish_claim = [], threading.Event(), threading.Event()
+
+    def slow_claim(**kwargs):  # the second claim (the woken waiter's) is still on the disk at close
+        calls.append(kwargs)
+        if len(calls) == 2:
+            claiming.set()
+            finish_claim.wait(TIMEOUT)
+        return real_claim(**kwargs)
+
+    monkeypatch.setattr(store, "claim_items", slow_claim)
+    ws = WebsocketCommunicator(application, "/work", headers=auth(token))
+    await ws.connect()
+    await ws.send_json_to({"op": "claim", "queue": "jobs", "wait": 60})
+    await ask(ws, {"op": "nothing"})
+    [item_id] = post("jobs", 1)
+    assert await asyncio.to_thread(claiming.wait, TIMEOUT)
+    threading.Timer(0.2, finish_claim.set).start()
+    await ws.disconnect(timeout=TIMEOUT)
+    item = store.read_item(queue="jobs", item_id=item_id)
+    assert (item.status, item.attempts) == ("pending", 1)
+
+
+async def test_disconnect_cancels_waiting_claims(token):
+    async with connected(token) as ws:
+        await ws.send_json_to({"op": "claim", "queue": "jobs", "wait": 60})
+        await ask(ws, {"op": "nothing"})
+    [item_id] = post("jobs", 1)
+    await asyncio.sleep(0.1)
+    assert status("jobs", item_id) == "pending"
+
+
+# ---- the bridge between server processes --------------------------------------------------
+
+
+@asynccontextmanager
+async def bridged_hubs(count: int = 2):
+    """`count` hubs, each with its own bridge on one shared layer, as in `count` processes."""
+    layer = InMemoryChannelLayer()
+    hubs = [Hub() for _ in range(count)]
+
+    async def names():
+        return ["jobs"]
+
+    bridges = [ChannelBridge(layer, hub=h, queue_names=names) for h in hubs]
+    tasks = [asyncio.create_task(b.run()) for b in bridges]
+    while len(layer.groups.get(group_name("jobs"), {})) < count:
+        await asyncio.sleep(0.01)
+    try:
+        yield hubs
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    assert all(h.bridge is None for h in hubs)
+
+
+async def test_the_bridge_wakes_claims_waiting_in_another_process_as_many_as_items():
+    async with bridged_hubs() as (here, there):
+        waiters = [asyncio.create_task(there.wait_available("jobs", 1.0)) for _ in range(3)]
+        await asyncio.sleep(0.05)
+        here.items_available("jobs", 2)
+        assert sorted(await asyncio.gather(*waiters)) == [False, True, True]
+
+
+async def test_the_bridge_wakes_reads_waiting_in_another_process():
+    async with bridged_hubs() as (here, there):
+        waiter = asyncio.create_task(there.wait_terminal("jobs", MISSING_ID, TIMEOUT))
+        await asyncio.sleep(0.05)
+        here.items_terminal("jobs", [MISSING_ID])
+        assert await waiter
+
+
+async def test_the_bridge_carries_notifications_made_on_another_thread():
+    async with bridged_hubs() as (here, there):
+        waiter = asyncio.create_task(there.wait_available("jobs", TIMEOUT))
+        await asyncio.sleep(0.05)
+        threading.Thread(target=here.items_available, args=("jobs", 1)).start()  # as the sweep does
+        assert await waiter
+
+
+async def test_the_bridge_ignores_its_own_messages():
+    async with bridged_hubs() as (here, there):
+        local = [asyncio.create_task(here.wait_available("jobs", 1.0)) for _ in range(2)]
+        remote = asyncio.create_task(there.wait_available("jobs", TIMEOUT))
+        await asyncio.sleep(0.05)
+        here.items_available("jobs", 1)
+        assert await remote  # the message went round
+        assert sorted(await asyncio.gather(*local)) == [False, True]  # and woke only one here
+
+
+async def test_a_failing_handler_closes_the_socket_and_still_requeues_what_it_held(token, monkeypatch):
+    [item_id] = post("jobs", 1)
+    ws = WebsocketCommunicator(application, "/work", headers=auth(token))
+    await ws.connect()
+    await ask(ws, {"op": "claim", "queue": "jobs"})
+
+    def broken(**kwargs):
+        raise OSError("the disk went away in an unforeseen way")
+
+    monkeypatch.setattr(get_store(), "extend_lease", broken)
+    await ws.send_json_to({"op": "extend", "queue": "jobs", "id": item_id, "seconds": 5})
+    with pytest.raises(OSError):
+        await ws.wait(timeout=TIMEOUT)
+    assert status("jobs", item_id) == "pending"
+
+
+async def test_a_failing_waiting_claim_closes_the_socket_and_requeues_what_it_held(token, monkeypatch):
+    [held] = post("jobs", 1)
+    async with connected(token) as ws:
+        await ask(ws, {"op": "claim", "queue": "jobs"})
+        await ws.send_json_to({"op": "claim", "queue": "jobs", "wait": 60})
+        await ask(ws, {"op": "nothing"})
+
+        def broken(**kwargs):
+            raise OSError("the disk went away in an unforeseen way")
+
+        monkeypatch.setattr(get_store(), "claim_items", broken)
+        post("jobs", 2)
+        assert (await ws.receive_output(timeout=TIMEOUT)) == {"type": "websocket.close", "code": 1011}
+    assert status("jobs", held) == "pending"
+
+
+async def test_stopping_the_server_requeues_what_sockets_hold(token):
+    [item_id] = post("jobs", 1)
+    ws = WebsocketCommunicator(application, "/work", headers=auth(token))
+    await ws.connect()
+    await ask(ws, {"op": "claim", "queue": "jobs"})
+    ws.future.cancel()  # what daphne does to every application when it stops: no disconnect()
+    with pytest.raises(asyncio.CancelledError):
+        await ws.future
+    assert status("jobs", item_id) == "pending"
