@@ -17,9 +17,9 @@ django_application = get_asgi_application()  # sets Django up before the apps be
 
 from channels.auth import AuthMiddlewareStack  # noqa: E402
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
-from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
+from channels.security.websocket import AllowedHostsOriginValidator, WebsocketDenier  # noqa: E402
 from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler  # noqa: E402
-from django.urls import path  # noqa: E402
+from django.urls import path, re_path  # noqa: E402
 
 from queues.api import application as api_application  # noqa: E402
 from queues.consumers import WorkConsumer  # noqa: E402
@@ -35,6 +35,7 @@ websocket_urlpatterns = [
     path("work", WorkConsumer.as_asgi()),  # checks its own Origin rule: workers send none
     # staff only, by session login; a browser's socket must come from one of our own pages
     path(LIVE_PATH, AllowedHostsOriginValidator(AuthMiddlewareStack(DashboardConsumer.as_asgi()))),
+    re_path(r"", WebsocketDenier.as_asgi()),  # any other path: refused (HTTP 403), never a 500
 ]
 
 

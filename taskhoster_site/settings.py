@@ -4,6 +4,7 @@ Every variable is listed in SPEC.md "Settings"; the defaults make a single proce
 other service: SQLite, the in-memory channel layer and a data directory under `var/`.
 """
 
+import hashlib
 import os
 import secrets
 from pathlib import Path
@@ -89,8 +90,9 @@ TEMPLATES = [
 
 DATABASES = {"default": env.db("DATABASE_URL", default=f"sqlite:///{VAR_DIR / 'db.sqlite3'}")}
 if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
-    # several server processes share one SQLite file: wait for a writer instead of failing
-    DATABASES["default"].setdefault("OPTIONS", {}).setdefault("timeout", 20)
+    # several server processes share one SQLite file: wait for a writer instead of failing, and
+    # take the write lock when a transaction begins (a deferred one fails at once on contention)
+    DATABASES["default"].setdefault("OPTIONS", {}).update(timeout=20, transaction_mode="IMMEDIATE")
 
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
@@ -119,7 +121,12 @@ if env.str("REDIS_URL", default=""):
     CHANNEL_LAYERS = {
         "default": {
             "BACKEND": "channels_redis.pubsub.RedisPubSubChannelLayer",
-            "CONFIG": {"hosts": [env.str("REDIS_URL")]},
+            # pub/sub ignores Redis database numbers: a prefix per data directory keeps two
+            # installations on one Redis from waking each other
+            "CONFIG": {
+                "hosts": [env.str("REDIS_URL")],
+                "prefix": "taskhoster-" + hashlib.sha256(str(TASKHOSTER_DATA_DIR.resolve()).encode()).hexdigest()[:12],
+            },
         }
     }
 else:

@@ -613,3 +613,10 @@ async def test_stopping_the_server_requeues_what_sockets_hold(token):
     with pytest.raises(asyncio.CancelledError):
         await ws.future
     assert status("jobs", item_id) == "pending"
+
+
+@pytest.mark.parametrize("path", ["/work/", "/nowhere", "/api/queues"])
+async def test_a_handshake_to_any_other_path_is_refused_not_an_error(token, path):
+    ws = WebsocketCommunicator(application, path, headers=auth(token))
+    accepted, _ = await ws.connect()
+    assert accepted is False
