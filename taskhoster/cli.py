@@ -1,0 +1,197 @@
+"""The `taskhoster` command.
+
+    taskhoster post QUEUE [JSON]              post one item (or one JSON per line from stdin); prints ids
+    taskhoster get QUEUE ID [--wait S]        print the item as JSON, after waiting up to S s for it to end
+    taskhoster stats [QUEUE]                  print a queue (or every queue, one per line) as JSON
+    taskhoster work QUEUE [--concurrency N] -- CMD ARGS...
+                                              run CMD per item: payload on stdin, result from stdout
+
+The server and the token come from --url/--token or TASKHOSTER_URL/TASKHOSTER_TOKEN. An error is
+one line on stderr and exit status 1 (2 for a mistake in the command line itself).
+"""
+
+import argparse
+import json
+import logging
+import math
+import os
+import shutil
+import sys
+
+from .errors import TaskhosterError
+from .producer import Producer
+from .program import ProgramHandler
+from .worker import Worker
+
+USAGE_ERROR = 2
+
+
+class UsageError(TaskhosterError):
+    """The command line is wrong."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        raise UsageError(f"{message} (see: taskhoster --help)")
+
+
+def _count(text: str) -> int:
+    """A whole number of at least 1, for argparse."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, not {text!r}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    """A finite number of seconds, 0 or more, for argparse."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"expected seconds, 0 or more, not {text!r}")
+    return value
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def parse_json(text: str, what: str):
+    try:
+        return json.loads(text, parse_constant=_reject_constant)
+    except ValueError as exc:
+        raise UsageError(f"{what} is not valid JSON: {exc}") from None
+
+
+def _print_json(value) -> None:
+    print(json.dumps(value, separators=(", ", ": ")), flush=True)
+
+
+def post(args) -> int:
+    if args.json is not None:
+        payloads = [parse_json(args.json, "the payload")]
+    else:
+        # every line is checked before anything is sent, so a bad line posts nothing
+        payloads = [parse_json(line, f"line {number} of stdin")
+                    for number, line in enumerate(sys.stdin.buffer, 1) if line.strip()]
+    with Producer(args.url, args.token) as producer:
+        try:
+            items = producer.post_many(args.queue, payloads)
+        except TaskhosterError as exc:
+            for item in getattr(exc, "posted", []):  # batches that did go in before the error
+                print(item["id"])
+            raise
+    for item in items:
+        print(item["id"])
+    return 0
+
+
+def get(args) -> int:
+    with Producer(args.url, args.token) as producer:
+        if args.wait:
+            item = producer.wait(args.queue, args.id, timeout=args.wait, payload=args.payload)
+        else:
+            item = producer.get(args.queue, args.id, payload=args.payload)
+    _print_json(item)
+    return 0
+
+
+def stats(args) -> int:
+    with Producer(args.url, args.token) as producer:
+        if args.queue is not None:
+            _print_json(producer.stats(args.queue))
+        else:
+            for queue in producer.stats():
+                _print_json(queue)
+    return 0
+
+
+def work(args) -> int:
+    command = args.command
+    if not command:
+        raise UsageError("give the command to run after --, e.g. taskhoster work QUEUE -- ./handle.sh")
+    if shutil.which(command[0]) is None:
+        raise UsageError(f"command not found: {command[0]}")
+    queues = [name for name in args.queue.split(",") if name]
+    worker = Worker(args.url, args.token, queues=queues, concurrency=args.concurrency, grace=args.grace)
+    logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="taskhoster: %(message)s")
+    worker.run(ProgramHandler(command))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    # --url/--token are accepted before or after the subcommand
+    server = _Parser(add_help=False)
+    server.add_argument("--url", default=argparse.SUPPRESS, help="server URL (default: $TASKHOSTER_URL)")
+    server.add_argument("--token", default=argparse.SUPPRESS, help="API token (default: $TASKHOSTER_TOKEN)")
+
+    parser = _Parser(prog="taskhoster", parents=[server],
+                     description="Post items to a Taskhoster server, read them, or work a queue.")
+    commands = parser.add_subparsers(dest="subcommand", required=True, parser_class=_Parser)
+
+    p = commands.add_parser("post", parents=[server], help="post one item, or one JSON per line from stdin")
+    p.add_argument("queue")
+    p.add_argument("json", nargs="?", help="the payload; without it, one payload per line is read from stdin")
+    p.set_defaults(run=post)
+
+    p = commands.add_parser("get", parents=[server], help="print an item")
+    p.add_argument("queue")
+    p.add_argument("id")
+    p.add_argument("--wait", type=_seconds, metavar="S", help="wait up to S seconds for the item to finish or fail")
+    p.add_argument("--payload", action="store_true", help="include the payload")
+    p.set_defaults(run=get)
+
+    p = commands.add_parser("stats", parents=[server], help="print a queue's settings and counts, or every queue's")
+    p.add_argument("queue", nargs="?")
+    p.set_defaults(run=stats)
+
+    p = commands.add_parser("work", parents=[server], help="run a command for each item of a queue",
+                            usage="taskhoster work QUEUE [--concurrency N] -- CMD ARGS...")
+    p.add_argument("queue", help="the queue to work (several: a,b)")
+    p.add_argument("--concurrency", type=_count, default=1, metavar="N", help="items at once (default 1)")
+    p.add_argument("--grace", type=_seconds, default=30.0, metavar="S",
+                   help="on SIGTERM, seconds to let running commands finish (default 30)")
+    p.set_defaults(run=work, command=[])
+    return parser
+
+
+def _before_command(argv: list[str]) -> list[str]:
+    """`work`'s own arguments: what comes before the `--` that starts the command to run."""
+    if "work" in argv and "--" in argv[argv.index("work"):]:
+        return argv[: argv.index("--", argv.index("work"))]
+    return argv
+
+
+def _after_command(argv: list[str]) -> list[str]:
+    return argv[len(_before_command(argv)) + 1:]
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        args = build_parser().parse_args(_before_command(argv))
+        if args.subcommand == "work":
+            args.command = _after_command(argv)
+        args.url = getattr(args, "url", None)
+        args.token = getattr(args, "token", None)
+        return args.run(args)
+    except UsageError as exc:
+        print(f"taskhoster: {exc}", file=sys.stderr)
+        return USAGE_ERROR
+    except TaskhosterError as exc:
+        print(f"taskhoster: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:  # the reader of our output went away (| head): nothing to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

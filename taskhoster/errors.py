@@ -1,0 +1,68 @@
+"""What the client raises. Every error carries one line that says what went wrong."""
+
+
+class TaskhosterError(Exception):
+    """Base of every error the client raises."""
+
+
+class ConnectionFailed(TaskhosterError):
+    """The server could not be reached (refused, timed out, name not resolved)."""
+
+
+class ApiError(TaskhosterError):
+    """The server answered with an error: `code` is the SPEC's error code (e.g. `unknown_queue`),
+    `status` the HTTP status (None for an error frame on the socket)."""
+
+    def __init__(self, code: str, message: str, status: int | None = None):
+        super().__init__(f"{code}: {message}" if message else code)
+        self.code = code
+        self.message = message
+        self.status = status
+
+
+class Unauthorized(ApiError):
+    """The token is missing or not valid."""
+
+
+class Forbidden(ApiError):
+    """The token lacks the right (produce or work) or the queue."""
+
+
+class UnknownQueue(ApiError):
+    """No queue has this name."""
+
+
+class ItemNotFound(ApiError):
+    """No item has this id in this queue (never posted, or deleted by retention)."""
+
+
+_BY_CODE = {
+    "unauthorized": Unauthorized,
+    "forbidden": Forbidden,
+    "unknown_queue": UnknownQueue,
+    "not_found": ItemNotFound,
+}
+
+
+def api_error(code: str, message: str, status: int | None = None) -> ApiError:
+    """The most specific ApiError for a server error code."""
+    return _BY_CODE.get(code, ApiError)(code, message, status)
+
+
+class ItemFailed(TaskhosterError):
+    """The item ended `failed` (the server declared it, e.g. `error: "timeout"`), so it has no
+    result. `item` is the item as the server showed it."""
+
+    def __init__(self, item: dict):
+        super().__init__(f"item {item.get('id')} failed: {item.get('error', 'no reason given')}")
+        self.item = item
+        self.error = item.get("error")
+
+
+class ResultTimeout(TaskhosterError, TimeoutError):
+    """The wait for a result ran out while the item was still pending or processing.
+    `item` is the item as last seen."""
+
+    def __init__(self, item: dict, timeout: float):
+        super().__init__(f"item {item.get('id')} is still {item.get('status')} after {timeout:g} s")
+        self.item = item

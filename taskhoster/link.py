@@ -1,0 +1,82 @@
+"""One open /work socket: every request gets a fresh `ref`, and each answer goes back to the
+request that carries its ref, so any number of requests (waiting claims among them) can be out
+at once."""
+
+import asyncio
+import itertools
+import json
+import logging
+
+from websockets.asyncio.client import ClientConnection
+from websockets.exceptions import ConnectionClosed
+
+from .errors import api_error
+
+log = logging.getLogger("taskhoster.worker")
+
+# A server that takes longer than this to answer a frame (beyond a claim's own wait) is treated as
+# gone: the socket is closed, so the worker connects afresh instead of waiting forever.
+ANSWER_SECONDS = 30.0
+
+
+class LinkClosed(Exception):
+    """The socket closed before the answer came."""
+
+
+class Link:
+    def __init__(self, socket: ClientConnection):
+        self.socket = socket
+        self._refs = itertools.count(1)
+        self._waiting: dict[str, asyncio.Future] = {}
+        self._closed = False
+        self.answered = False  # the server has answered a frame over this socket
+
+    async def request(self, frame: dict, *, timeout: float = ANSWER_SECONDS) -> dict:
+        """Send the frame and return the server's answer to it. An error frame raises ApiError
+        (`status` None); a socket that closes first, or no answer within `timeout` seconds,
+        raises LinkClosed."""
+        if self._closed:
+            raise LinkClosed()
+        ref = str(next(self._refs))
+        answer = asyncio.get_running_loop().create_future()
+        self._waiting[ref] = answer
+        try:
+            await self.socket.send(json.dumps({**frame, "ref": ref}, separators=(",", ":")))
+            reply = await asyncio.wait_for(answer, timeout)
+        except ConnectionClosed as exc:
+            raise LinkClosed() from exc
+        except TimeoutError as exc:
+            log.warning("no answer to %r in %g s; closing the socket to connect again", frame.get("op"), timeout)
+            await self.socket.close()
+            raise LinkClosed() from exc
+        finally:
+            self._waiting.pop(ref, None)
+        if reply is None:
+            raise LinkClosed()
+        if reply.get("op") == "error":
+            raise api_error(str(reply.get("code")), str(reply.get("message", "")))
+        return reply
+
+    async def read_answers(self) -> None:
+        """Hand each answer to its request until the socket closes; then wake every request
+        still waiting with None (which it raises as LinkClosed: a future's exception that
+        nobody retrieves, its request being cancelled meanwhile, would be logged)."""
+        try:
+            async for message in self.socket:
+                try:
+                    reply = json.loads(message)
+                except ValueError:
+                    continue
+                if not isinstance(reply, dict):
+                    continue
+                self.answered = True
+                waiter = self._waiting.get(str(reply.get("ref")))
+                if waiter is not None and not waiter.done():
+                    waiter.set_result(reply)
+        except ConnectionClosed:
+            pass
+        finally:
+            self._closed = True
+            for waiter in self._waiting.values():
+                if not waiter.done():
+                    waiter.set_result(None)

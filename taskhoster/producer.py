@@ -1,0 +1,245 @@
+"""Producers: post items, read them, wait for their results. `Producer` blocks, `AsyncProducer`
+is the same for asyncio. Both speak the SPEC's Producer API over HTTP and nothing else."""
+
+import json
+import time
+from collections.abc import Iterable, Iterator
+from typing import Any
+from urllib.parse import quote
+
+import httpx
+
+from .config import auth_headers, server_settings
+from .errors import ApiError, ConnectionFailed, ItemFailed, ResultTimeout, TaskhosterError, api_error
+
+MAX_BATCH_ITEMS = 1000  # the server's limit per post
+MAX_BATCH_BYTES = 8 << 20  # half the server's default body limit: a batch of big payloads is split
+MAX_WAIT_SECONDS = 60  # the longest the server holds a GET ?wait
+TERMINAL = ("finished", "failed")
+
+
+def _queue_path(queue: str) -> str:
+    return f"/api/queues/{quote(queue, safe='')}"
+
+
+def _items_path(queue: str, item_id: str | None = None) -> str:
+    path = _queue_path(queue) + "/items"
+    return path if item_id is None else f"{path}/{quote(item_id, safe='')}"
+
+
+def _encode(value: Any) -> bytes:
+    """JSON as the server accepts it; NaN and infinities are not JSON, so they fail here."""
+    return json.dumps(value, allow_nan=False, separators=(",", ":")).encode()
+
+
+def _batch_bodies(payloads: Iterable[Any]) -> Iterator[bytes]:
+    """Bodies of `{"items": [...]}` posts, each at most 1000 items and about 8 MiB. Every payload is encoded before the first body is made, so a payload that is
+    not JSON fails before anything is sent."""
+    encoded = [b'{"payload":' + _encode(payload) + b"}" for payload in payloads]
+    start = 0
+    while start < len(encoded):
+        end, size = start, 0
+        while end < len(encoded) and end - start < MAX_BATCH_ITEMS:
+            if end > start and size + len(encoded[end]) > MAX_BATCH_BYTES:
+                break
+            size += len(encoded[end]) + 1
+            end += 1
+        yield b'{"items":[' + b",".join(encoded[start:end]) + b"]}"
+        start = end
+
+
+def _read(response: httpx.Response) -> Any:
+    """The JSON answer of a successful call; the server's error as an ApiError otherwise."""
+    try:
+        body = response.json()
+    except ValueError:
+        body = None
+    if response.is_success and body is not None:
+        return body
+    if isinstance(body, dict) and isinstance(body.get("error"), str):
+        raise api_error(body["error"], str(body.get("message", "")), response.status_code)
+    raise ApiError("unexpected_answer", f"HTTP {response.status_code} from {response.request.url}", response.status_code)
+
+
+def _unreachable(url: str, exc: httpx.TransportError) -> ConnectionFailed:
+    return ConnectionFailed(f"cannot reach {url}: {exc or type(exc).__name__}")
+
+
+def _get_params(wait: float, payload: bool) -> dict[str, str]:
+    params = {}
+    if wait:
+        params["wait"] = format(round(wait, 3), "g")
+    if payload:
+        params["payload"] = "1"
+    return params
+
+
+def _deadline(timeout: float | None) -> float | None:
+    if timeout is None:
+        return None
+    if not timeout >= 0:  # NaN too, which would never run out
+        raise ValueError(f"timeout must be None or 0 or more seconds, not {timeout!r}")
+    return time.monotonic() + timeout
+
+
+def _wait_step(deadline: float | None) -> float:
+    """How long the next GET may wait: what is left, in steps of at most 60 s."""
+    if deadline is None:
+        return MAX_WAIT_SECONDS
+    return max(0.0, min(MAX_WAIT_SECONDS, deadline - time.monotonic()))
+
+
+def _expired(deadline: float | None) -> bool:
+    return deadline is not None and time.monotonic() >= deadline
+
+
+def _outcome(item: dict, timeout: float | None) -> Any:
+    """The result of an item that `wait` returned, or why there is none."""
+    if item["status"] == "finished":
+        return item.get("result")
+    if item["status"] == "failed":
+        raise ItemFailed(item)
+    raise ResultTimeout(item, timeout)
+
+
+def _note_posted(exc: TaskhosterError, posted: list[dict]) -> None:
+    # a later batch failed: tell the caller which items of the earlier batches are in
+    exc.posted = posted
+
+
+class Producer:
+    """Post items and read them back, blocking. `url` and `token` default to TASKHOSTER_URL and
+    TASKHOSTER_TOKEN. `timeout` bounds each HTTP call (a long-poll gets its wait on top).
+    Use it as a context manager, or call close()."""
+
+    def __init__(self, url: str | None = None, token: str | None = None, *, timeout: float = 30.0,
+                 transport: httpx.BaseTransport | None = None):
+        self.url, token = server_settings(url, token)
+        self._timeout = timeout
+        self._http = httpx.Client(base_url=self.url, headers=auth_headers(token), timeout=timeout,
+                                  transport=transport)
+
+    def _call(self, method: str, path: str, **kwargs) -> Any:
+        try:
+            response = self._http.request(method, path, **kwargs)
+        except httpx.TransportError as exc:
+            raise _unreachable(self.url, exc) from exc
+        return _read(response)
+
+    def post(self, queue: str, payload: Any) -> dict:
+        """Post one item; returns it as the server made it (its `id` above all)."""
+        body = b'{"payload":' + _encode(payload) + b"}"
+        return self._call("POST", _items_path(queue), content=body, headers={"Content-Type": "application/json"})
+
+    def post_many(self, queue: str, payloads: Iterable[Any]) -> list[dict]:
+        """Post many items, in batches of up to 1000; returns them in order. Each batch is all or
+        nothing; if one fails, the error's `posted` lists the items of the batches before it."""
+        posted: list[dict] = []
+        for body in _batch_bodies(payloads):
+            try:
+                answer = self._call("POST", _items_path(queue), content=body,
+                                    headers={"Content-Type": "application/json"})
+            except TaskhosterError as exc:
+                _note_posted(exc, posted)
+                raise
+            posted.extend(answer["items"])
+        return posted
+
+    def get(self, queue: str, item_id: str, *, wait: float = 0, payload: bool = False) -> dict:
+        """Read an item. With `wait` (0 to 60 s) the server answers as soon as the item is
+        finished or failed, or when the wait is over. `payload=True` includes the payload."""
+        return self._call("GET", _items_path(queue, item_id), params=_get_params(wait, payload),
+                          timeout=self._timeout + wait)
+
+    def wait(self, queue: str, item_id: str, *, timeout: float | None = None, payload: bool = False) -> dict:
+        """Read the item once it is finished or failed, or as it is when `timeout` seconds have
+        passed (None: no limit). Long-polls in steps of at most 60 s."""
+        deadline = _deadline(timeout)
+        while True:
+            item = self.get(queue, item_id, wait=_wait_step(deadline), payload=payload)
+            if item["status"] in TERMINAL or _expired(deadline):
+                return item
+
+    def result(self, queue: str, item_id: str, *, timeout: float | None = None) -> Any:
+        """Wait for the item to end and return its result. Raises ItemFailed if it failed (its
+        `error` says why) and ResultTimeout if `timeout` seconds pass first (None: no limit)."""
+        return _outcome(self.wait(queue, item_id, timeout=timeout), timeout)
+
+    def stats(self, queue: str | None = None) -> dict | list[dict]:
+        """One queue's settings and counts, or (no queue) every queue the token may see."""
+        if queue is not None:
+            return self._call("GET", _queue_path(queue))
+        return self._call("GET", "/api/queues")["queues"]
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> "Producer":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+class AsyncProducer:
+    """`Producer` for asyncio: the same methods, awaited. Use `async with`, or await aclose()."""
+
+    def __init__(self, url: str | None = None, token: str | None = None, *, timeout: float = 30.0,
+                 transport: httpx.AsyncBaseTransport | None = None):
+        self.url, token = server_settings(url, token)
+        self._timeout = timeout
+        self._http = httpx.AsyncClient(base_url=self.url, headers=auth_headers(token), timeout=timeout,
+                                       transport=transport)
+
+    async def _call(self, method: str, path: str, **kwargs) -> Any:
+        try:
+            response = await self._http.request(method, path, **kwargs)
+        except httpx.TransportError as exc:
+            raise _unreachable(self.url, exc) from exc
+        return _read(response)
+
+    async def post(self, queue: str, payload: Any) -> dict:
+        body = b'{"payload":' + _encode(payload) + b"}"
+        return await self._call("POST", _items_path(queue), content=body,
+                                headers={"Content-Type": "application/json"})
+
+    async def post_many(self, queue: str, payloads: Iterable[Any]) -> list[dict]:
+        posted: list[dict] = []
+        for body in _batch_bodies(payloads):
+            try:
+                answer = await self._call("POST", _items_path(queue), content=body,
+                                          headers={"Content-Type": "application/json"})
+            except TaskhosterError as exc:
+                _note_posted(exc, posted)
+                raise
+            posted.extend(answer["items"])
+        return posted
+
+    async def get(self, queue: str, item_id: str, *, wait: float = 0, payload: bool = False) -> dict:
+        return await self._call("GET", _items_path(queue, item_id), params=_get_params(wait, payload),
+                                timeout=self._timeout + wait)
+
+    async def wait(self, queue: str, item_id: str, *, timeout: float | None = None,
+                   payload: bool = False) -> dict:
+        deadline = _deadline(timeout)
+        while True:
+            item = await self.get(queue, item_id, wait=_wait_step(deadline), payload=payload)
+            if item["status"] in TERMINAL or _expired(deadline):
+                return item
+
+    async def result(self, queue: str, item_id: str, *, timeout: float | None = None) -> Any:
+        return _outcome(await self.wait(queue, item_id, timeout=timeout), timeout)
+
+    async def stats(self, queue: str | None = None) -> dict | list[dict]:
+        if queue is not None:
+            return await self._call("GET", _queue_path(queue))
+        return (await self._call("GET", "/api/queues"))["queues"]
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> "AsyncProducer":
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.aclose()

@@ -1,0 +1,266 @@
+"""The `taskhoster` command, run as a process against a real `serve`: every subcommand's output
+and exit status, and the errors a user meets (wrong token, no server, unknown queue, bad JSON).
+
+It is run as `python -m taskhoster.cli`, which works whether or not the console script is
+installed; one test checks the installed `taskhoster` script itself."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from client_support import client_env, live_server
+from serverproc import PROJECT_DIR
+from taskhoster import Producer
+
+BAD_TOKEN = "th_" + "x" * 32
+NO_SERVER = "http://127.0.0.1:9"
+MISSING_ID = "01a00000-0000-7000-8000-000000000000"
+
+ECHO_SCRIPT = """#!/bin/sh
+# the payload comes on stdin; the result goes to stdout
+read payload
+echo "{\\"got\\": $payload, \\"id\\": \\"$TASKHOSTER_ITEM_ID\\", \\"attempts\\": $TASKHOSTER_ATTEMPTS}"
+"""
+
+FAILING_SCRIPT = """#!/bin/sh
+cat > /dev/null
+echo "cannot convert this one" >&2
+exit 3
+"""
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory):
+    queues = {name: {} for name in ("cli", "stdin", "badlines", "reads", "work", "failing", "notjson")}
+    with live_server(tmp_path_factory.mktemp("cli"), queues) as live:
+        yield live
+
+
+@pytest.fixture
+def producer(live):
+    with Producer(live.url, live.token) as producer:
+        yield producer
+
+
+def cli_command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "taskhoster.cli", *args]
+
+
+def run_cli(live, *args: str, stdin: str | None = None, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(cli_command(*args), cwd=PROJECT_DIR, env=client_env(live, **env), input=stdin,
+                          capture_output=True, text=True, timeout=60)
+
+
+def assert_one_line_error(done: subprocess.CompletedProcess, status: int, *fragments: str) -> None:
+    assert done.returncode == status, done.stderr
+    assert done.stdout == ""
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("taskhoster: "), done.stderr
+    for fragment in fragments:
+        assert fragment in lines[0]
+
+
+def finish_pending(live, queue: str, result) -> None:
+    headers = {"Authorization": f"Bearer {live.token}"}
+    for item in httpx.post(f"{live.url}/api/queues/{queue}/claim", json={"max": 100}, headers=headers).json()["items"]:
+        httpx.post(f"{live.url}/api/queues/{queue}/items/{item['id']}/result", json={"result": result}, headers=headers)
+
+
+def script(tmp_path: Path, name: str, text: str) -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    path.chmod(0o755)
+    return path
+
+
+# ---- post, get, stats ---------------------------------------------------------------------------
+
+
+def test_post_prints_the_id_of_the_new_item(live, producer):
+    done = run_cli(live, "post", "cli", '{"image": "cat.png"}')
+    assert done.returncode == 0 and done.stderr == ""
+    item_id = done.stdout.strip()
+    assert producer.get("cli", item_id, payload=True)["payload"] == {"image": "cat.png"}
+
+
+def test_post_reads_one_json_per_line_from_stdin_and_prints_the_ids_in_order(live, producer):
+    lines = [json.dumps({"n": n}) for n in range(2100)]
+    lines.insert(5, "   ")  # blank lines are skipped
+    done = run_cli(live, "post", "stdin", stdin="\n".join(lines) + "\n")
+    assert done.returncode == 0, done.stderr
+    ids = done.stdout.split()
+    assert len(ids) == 2100 and ids == sorted(ids)  # ids grow in posting order
+    assert producer.get("stdin", ids[2099], payload=True)["payload"] == {"n": 2099}
+    assert producer.stats("stdin")["counts"]["pending"] == 2100
+
+
+def test_a_bad_line_on_stdin_posts_nothing(live, producer):
+    done = run_cli(live, "post", "badlines", stdin='{"n": 1}\n{"n": 2}\n{"n": oops}\n')
+    assert_one_line_error(done, 2, "line 3 of stdin is not valid JSON")
+    assert producer.stats("badlines")["counts"]["pending"] == 0
+
+
+@pytest.mark.parametrize("argument", ["{bad", "NaN", "'single quotes'"])
+def test_a_bad_json_argument_is_one_line_and_posts_nothing(live, producer, argument):
+    before = producer.stats("cli")["counts"]["pending"]
+    done = run_cli(live, "post", "cli", argument)
+    assert_one_line_error(done, 2, "the payload is not valid JSON")
+    assert producer.stats("cli")["counts"]["pending"] == before
+
+
+def test_get_prints_the_item_as_json(live, producer):
+    item = producer.post("reads", {"size": 3})
+    done = run_cli(live, "get", "reads", item["id"])
+    assert done.returncode == 0, done.stderr
+    shown = json.loads(done.stdout)
+    assert shown["id"] == item["id"] and shown["status"] == "pending" and "payload" not in shown
+    with_payload = json.loads(run_cli(live, "get", "reads", item["id"], "--payload").stdout)
+    assert with_payload["payload"] == {"size": 3}
+
+
+def test_get_with_wait_answers_once_the_item_is_finished(live, producer):
+    item = producer.post("reads", "slow")
+    waiting = subprocess.Popen(cli_command("get", "reads", item["id"], "--wait", "30"), cwd=PROJECT_DIR,
+                               env=client_env(live), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(0.5)  # let the read wait on the server
+    assert waiting.poll() is None
+    finish_pending(live, "reads", {"done": True})
+    stdout, stderr = waiting.communicate(timeout=30)
+    assert waiting.returncode == 0, stderr
+    shown = json.loads(stdout)
+    assert shown["status"] == "finished" and shown["result"] == {"done": True}
+
+
+def test_get_with_wait_prints_the_item_as_it_is_when_the_wait_runs_out(live, producer):
+    item = producer.post("reads", "nobody works it")
+    done = run_cli(live, "get", "reads", item["id"], "--wait", "0.3")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["status"] == "pending"
+
+
+def test_get_of_an_unknown_item_is_one_line_not_found(live):
+    assert_one_line_error(run_cli(live, "get", "reads", MISSING_ID), 1, "not_found")
+
+
+def test_stats_prints_one_queue_or_every_queue_one_per_line(live, producer):
+    producer.post("cli", 1)
+    one = run_cli(live, "stats", "cli")
+    assert one.returncode == 0, one.stderr
+    shown = json.loads(one.stdout)
+    assert shown["name"] == "cli" and shown["counts"]["pending"] >= 1
+
+    every = run_cli(live, "stats")
+    assert every.returncode == 0, every.stderr
+    names = [json.loads(line)["name"] for line in every.stdout.splitlines()]
+    assert {"cli", "stdin", "work"} <= set(names)
+
+
+def test_url_and_token_options_win_over_the_environment(live):
+    done = run_cli(live, "stats", "cli", "--url", live.url, "--token", live.token,
+                   TASKHOSTER_URL=NO_SERVER, TASKHOSTER_TOKEN=BAD_TOKEN)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["name"] == "cli"
+    before_subcommand = run_cli(live, "--url", live.url, "stats", "cli", TASKHOSTER_URL=NO_SERVER)
+    assert before_subcommand.returncode == 0, before_subcommand.stderr
+
+
+# ---- the errors a user meets --------------------------------------------------------------------
+
+SUBCOMMANDS = [
+    ("post", "cli", "1"),
+    ("get", "cli", MISSING_ID),
+    ("stats",),
+    ("work", "work", "--", "cat"),
+]
+
+
+@pytest.mark.parametrize("args", SUBCOMMANDS, ids=lambda args: args[0])
+def test_a_wrong_token_is_one_line_and_exit_status_1(live, args):
+    done = run_cli(live, *args, TASKHOSTER_TOKEN=BAD_TOKEN)
+    assert_one_line_error(done, 1, "unauthorized")
+
+
+@pytest.mark.parametrize("args", SUBCOMMANDS, ids=lambda args: args[0])
+def test_an_unreachable_server_is_one_line_and_exit_status_1(live, args):
+    done = run_cli(live, *args, TASKHOSTER_URL=NO_SERVER)
+    assert_one_line_error(done, 1, "cannot reach", "127.0.0.1:9")
+
+
+@pytest.mark.parametrize("args", [("post", "nope", "1"), ("stats", "nope"), ("work", "nope", "--", "cat")],
+                         ids=lambda args: args[0])
+def test_an_unknown_queue_is_one_line_and_exit_status_1(live, args):
+    assert_one_line_error(run_cli(live, *args), 1, "unknown_queue")
+
+
+def test_no_server_settings_at_all_is_one_line(live):
+    done = subprocess.run(cli_command("stats"), cwd=PROJECT_DIR, env=client_env(), capture_output=True, text=True,
+                          timeout=60)
+    assert_one_line_error(done, 1, "no server URL", "TASKHOSTER_URL")
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [((), "required: subcommand"), (("work", "work"), "give the command to run after --"),
+     (("work", "work", "--", "no-such-program-here"), "command not found: no-such-program-here"),
+     (("get", "cli", MISSING_ID, "--wait", "-1"), "argument --wait: expected seconds, 0 or more"),
+     (("get", "cli", MISSING_ID, "--wait", "nan"), "argument --wait: expected seconds, 0 or more"),
+     (("work", "work", "--concurrency", "0", "--", "cat"), "argument --concurrency: expected a whole number"),
+     (("frobnicate",), "invalid choice")],
+)
+def test_a_mistake_in_the_command_line_is_one_line_and_exit_status_2(live, args, message):
+    assert_one_line_error(run_cli(live, *args), 2, message)
+
+
+# ---- work -----------------------------------------------------------------------------------------
+
+
+def test_work_runs_a_shell_script_per_item_with_the_payload_on_stdin(live, producer, tmp_path):
+    echo = script(tmp_path, "echo.sh", ECHO_SCRIPT)
+    worker = subprocess.Popen(cli_command("work", "work", "--concurrency", "3", "--", str(echo)), cwd=PROJECT_DIR,
+                              env=client_env(live), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        items = producer.post_many("work", [{"n": n} for n in range(6)])
+        results = [producer.result("work", item["id"], timeout=30) for item in items]
+    finally:
+        worker.send_signal(signal.SIGTERM)
+        stdout, stderr = worker.communicate(timeout=30)
+    assert worker.returncode == 0, stderr
+    assert results == [{"got": {"n": n}, "id": item["id"], "attempts": 1} for n, item in enumerate(items)]
+    assert stdout == "" and "Traceback" not in stderr
+
+
+def test_work_turns_a_non_zero_exit_or_output_that_is_not_json_into_error_results(live, producer, tmp_path):
+    failing = script(tmp_path, "failing.sh", FAILING_SCRIPT)
+    workers = [
+        subprocess.Popen(cli_command("work", queue, "--", *command), cwd=PROJECT_DIR, env=client_env(live),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for queue, command in (("failing", [str(failing)]), ("notjson", ["echo", "plain words"]))
+    ]
+    try:
+        failed = producer.result("failing", producer.post("failing", {"n": 1})["id"], timeout=30)
+        not_json = producer.result("notjson", producer.post("notjson", {"n": 2})["id"], timeout=30)
+    finally:
+        for worker in workers:
+            worker.send_signal(signal.SIGTERM)
+        exits = [worker.wait(30) for worker in workers]
+    assert exits == [0, 0]
+    assert failed == {"error": {"type": "ExitStatus", "message": f"{failing} exited with status 3",
+                                "exitCode": 3, "stderr": "cannot convert this one\n"}}
+    assert not_json["error"]["type"] == "InvalidOutput"
+    assert not_json["error"]["stdout"] == "plain words\n"
+    assert "is not JSON" in not_json["error"]["message"]
+
+
+def test_the_installed_console_script_runs_the_cli():
+    # pyproject.toml's [project.scripts]: taskhoster = "taskhoster.cli:main", made by `pip install`
+    installed = Path(sys.executable).parent / "taskhoster"
+    assert installed.exists(), "no console script: declare it in pyproject.toml, then pip install -e ."
+    done = subprocess.run([str(installed), "--help"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0
+    assert "usage: taskhoster" in done.stdout and "post" in done.stdout and "work" in done.stdout

@@ -1,0 +1,461 @@
+"""The worker client against a real `serve` process: handlers, slots, leases, errors, stopping,
+and the end-to-end runs (two worker processes, a killed worker, a restarted server)."""
+
+import asyncio
+import logging
+import signal
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager
+
+import pytest
+from websockets.asyncio.server import serve as serve_websocket
+
+import taskhoster.worker as worker_module
+from client_support import client_env, live_server
+from serverproc import PROJECT_DIR
+from taskhoster import ConnectionFailed, Job, Producer, TaskhosterError, Unauthorized, UnknownQueue, Worker
+from taskhoster.link import Link
+from taskhoster.worker import backoff_delay, split_slots
+
+QUEUES = {
+    "basic": {},
+    "errors": {},
+    "broken": {},
+    "retry": {},
+    "slots": {},
+    "batch": {},
+    "graceful": {},
+    "outlast": {},
+    "heartbeat": {"lease_seconds": 2},
+    "many": {},
+    "killed": {},
+    "signals": {},
+}
+
+# A worker process for the end-to-end tests: each handler call is logged, then sleeps.
+WORKER_PROGRAM = """
+import sys, time
+from taskhoster import Worker
+
+queue, name, concurrency, seconds, log_path = sys.argv[1:]
+
+def handle(payload, job):
+    with open(log_path, "a") as log:
+        log.write(f"start {job.id} {job.attempts}\\n")
+    time.sleep(float(seconds))
+    return {"worker": name, "payload": payload, "attempts": job.attempts}
+
+Worker(queues=[queue], concurrency=int(concurrency)).run(handle)
+"""
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory):
+    with live_server(tmp_path_factory.mktemp("worker"), QUEUES) as live:
+        yield live
+
+
+@pytest.fixture
+def producer(live):
+    with Producer(live.url, live.token) as producer:
+        yield producer
+
+
+def wait_until(condition, timeout: float = 20.0, what: str = "the condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+@contextmanager
+def working(worker: Worker, handler):
+    """Run the worker on an event loop in a thread of its own; stop it at the end and re-raise
+    anything it raised."""
+    failure = []
+
+    def run():
+        try:
+            asyncio.run(worker.run_async(handler))
+        except BaseException as exc:
+            failure.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        yield thread
+    finally:
+        worker.stop()
+        thread.join(30)
+    assert not thread.is_alive(), "the worker did not stop"
+    if failure:
+        raise failure[0]
+
+
+def start_worker_process(live, queue: str, name: str, log_path, *, concurrency: int = 1, seconds: float = 0):
+    log_path.touch()
+    return subprocess.Popen(
+        [sys.executable, "-c", WORKER_PROGRAM, queue, name, str(concurrency), str(seconds), str(log_path)],
+        cwd=PROJECT_DIR,
+        env=client_env(live),
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def started(log_path) -> list[tuple[str, int]]:
+    return [(line.split()[1], int(line.split()[2])) for line in log_path.read_text().splitlines()]
+
+
+# ---- handlers and results -------------------------------------------------------------------------
+
+
+def test_a_plain_handler_gets_the_payload_and_the_job_and_its_return_is_the_result(live, producer):
+    seen_threads = set()
+
+    def handle(payload, job):
+        seen_threads.add(threading.current_thread().name)
+        return {"sum": sum(payload), "id": job.id, "queue": job.queue, "attempts": job.attempts}
+
+    item = producer.post("basic", [1, 2, 3])
+    with working(Worker(live.url, live.token, queues=["basic"]), handle):
+        result = producer.result("basic", item["id"], timeout=20)
+    assert result == {"sum": 6, "id": item["id"], "queue": "basic", "attempts": 1}
+    assert seen_threads == {"taskhoster-handler"}  # not the event loop's thread
+
+
+def test_an_async_handler_is_awaited_on_the_worker_s_loop(live, producer):
+    async def handle(payload, job):
+        await asyncio.sleep(0.01)
+        return {"upper": payload.upper(), "on_loop": asyncio.get_running_loop() is not None}
+
+    item = producer.post("basic", "hello")
+    with working(Worker(live.url, live.token, queues=["basic"], concurrency=2), handle):
+        assert producer.result("basic", item["id"], timeout=20) == {"upper": "HELLO", "on_loop": True}
+
+
+def test_a_raising_handler_gives_an_error_result_and_the_worker_goes_on(live, producer):
+    def check_positive(payload, job):
+        if payload < 0:
+            raise ValueError(f"{payload} is negative")
+        return payload
+
+    items = producer.post_many("errors", [-1, 5, {"not": "a number"}])
+    with working(Worker(live.url, live.token, queues=["errors"]), check_positive):
+        results = [producer.result("errors", item["id"], timeout=20) for item in items]
+
+    negative, five, dict_payload = results
+    assert five == 5
+    assert negative["error"]["type"] == "ValueError"
+    assert negative["error"]["message"] == "-1 is negative"
+    assert "check_positive" in negative["error"]["traceback"]
+    assert negative["error"]["traceback"].rstrip().endswith("ValueError: -1 is negative")
+    assert dict_payload["error"]["type"] == "TypeError"
+
+
+def test_a_result_that_is_not_json_becomes_an_error_result(live, producer):
+    item = producer.post("errors", "x")
+    with working(Worker(live.url, live.token, queues=["errors"]), lambda payload, job: {1, 2}):
+        result = producer.result("errors", item["id"], timeout=20)
+    assert result["error"]["type"] == "TypeError"
+    assert "not JSON serializable" in result["error"]["message"]
+
+
+def test_on_error_release_puts_the_item_back_for_another_try(live, producer):
+    def flaky(payload, job):
+        if job.attempts == 1:
+            raise ConnectionError("the first try always fails")
+        return {"done on attempt": job.attempts}
+
+    item = producer.post("retry", "x")
+    with working(Worker(live.url, live.token, queues=["retry"], on_error="release"), flaky):
+        assert producer.result("retry", item["id"], timeout=20) == {"done on attempt": 2}
+    assert producer.get("retry", item["id"])["attempts"] == 2
+
+
+def test_the_worker_claims_only_as_many_items_as_it_has_free_slots(live, producer):
+    gate, running, most = threading.Event(), [], []
+    lock = threading.Lock()
+
+    def handle(payload, job):
+        with lock:
+            running.append(job.id)
+            most.append(len(running))
+        gate.wait(20)
+        with lock:
+            running.remove(job.id)
+        return payload
+
+    items = producer.post_many("slots", range(7))
+    with working(Worker(live.url, live.token, queues=["slots"], concurrency=3), handle):
+        wait_until(lambda: len(running) == 3, what="three handlers to run")
+        counts = producer.stats("slots")["counts"]
+        assert counts["processing"] == 3 and counts["pending"] == 4
+        gate.set()
+        assert [producer.result("slots", item["id"], timeout=20) for item in items] == list(range(7))
+    assert max(most) == 3
+
+
+def test_results_that_finish_together_go_in_one_results_frame(live, producer, monkeypatch):
+    frames = []
+    request = Link.request
+
+    async def recording(self, frame, **options):
+        frames.append((frame["op"], len(frame.get("items", [])) if frame["op"] == "results" else 1))
+        return await request(self, frame, **options)
+
+    monkeypatch.setattr(Link, "request", recording)
+    gate = {}
+
+    async def handle(payload, job):
+        # the tenth handler opens the gate for all ten at once
+        event = gate.setdefault("event", asyncio.Event())
+        gate["started"] = gate.get("started", 0) + 1
+        if gate["started"] == 10:
+            event.set()
+        await event.wait()
+        return payload
+
+    items = producer.post_many("batch", range(10))
+    with working(Worker(live.url, live.token, queues=["batch"], concurrency=10), handle):
+        assert [producer.result("batch", item["id"], timeout=20) for item in items] == list(range(10))
+    handed_in = [frame for frame in frames if frame[0] in ("result", "results")]
+    assert handed_in == [("results", 10)]
+
+
+# ---- stopping ------------------------------------------------------------------------------------
+
+
+def test_stop_lets_a_running_handler_finish_and_hands_its_result_in(live, producer):
+    began = threading.Event()
+
+    def handle(payload, job):
+        began.set()
+        time.sleep(0.5)
+        return "finished in time"
+
+    item = producer.post("graceful", 1)
+    worker = Worker(live.url, live.token, queues=["graceful"], grace=10)
+    with working(worker, handle):
+        assert began.wait(20)
+        worker.stop()
+    finished = producer.get("graceful", item["id"])
+    assert finished["status"] == "finished" and finished["result"] == "finished in time"
+
+
+def test_stop_releases_the_items_whose_handlers_outlast_the_grace_period(live, producer):
+    began = threading.Event()
+
+    async def handle(payload, job):
+        began.set()
+        await asyncio.sleep(60)
+
+    item = producer.post("outlast", 1)
+    worker = Worker(live.url, live.token, queues=["outlast"], grace=0.2)
+    with working(worker, handle) as thread:
+        assert began.wait(20)
+        stopped_at = time.monotonic()
+        worker.stop()
+        thread.join(10)
+        assert time.monotonic() - stopped_at < 10
+    released = producer.get("outlast", item["id"])
+    assert released["status"] == "pending" and released["attempts"] == 1
+
+
+# ---- what cannot work ----------------------------------------------------------------------------
+
+
+def test_a_bad_token_is_an_unauthorized_error_not_a_retry_loop(live):
+    worker = Worker(live.url, "th_" + "x" * 32, queues=["basic"])
+    with pytest.raises(Unauthorized):
+        asyncio.run(asyncio.wait_for(worker.run_async(lambda payload, job: None), 20))
+
+
+def test_an_unknown_queue_stops_the_worker_with_unknown_queue(live):
+    worker = Worker(live.url, live.token, queues=["no-such-queue"])
+    with pytest.raises(UnknownQueue):
+        asyncio.run(asyncio.wait_for(worker.run_async(lambda payload, job: None), 20))
+
+
+def test_an_unreachable_server_at_the_start_is_connection_failed():
+    worker = Worker("http://127.0.0.1:9", "th_x", queues=["basic"])
+    with pytest.raises(ConnectionFailed, match="cannot reach ws://127.0.0.1:9/work"):
+        asyncio.run(asyncio.wait_for(worker.run_async(lambda payload, job: None), 20))
+
+
+def test_an_unexpected_error_inside_the_worker_stops_it_rather_than_leave_it_stuck(live, producer, monkeypatch):
+    def broken(cls, item):
+        raise RuntimeError("a bug in the worker")
+
+    monkeypatch.setattr(Job, "from_item", classmethod(broken))
+    producer.post("broken", "x")
+    worker = Worker(live.url, live.token, queues=["broken"])
+    with pytest.raises(RuntimeError, match="a bug in the worker"):
+        asyncio.run(asyncio.wait_for(worker.run_async(lambda payload, job: None), 20))
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"queues": "basic"}, {"queues": []}, {"queues": ["a"], "concurrency": 0}, {"queues": ["a"], "on_error": "ignore"},
+     {"queues": ["a"], "grace": -1}],
+)
+def test_bad_worker_options_are_refused_at_once(options):
+    with pytest.raises(TaskhosterError):
+        Worker("http://127.0.0.1:8000", "th_x", **options)
+
+
+# ---- the parts that need no server ----------------------------------------------------------------
+
+
+def test_reconnect_delays_grow_to_a_cap_with_jitter():
+    for failures, step in [(1, 0.25), (2, 0.5), (3, 1.0), (10, 30.0), (60, 30.0)]:
+        delays = {backoff_delay(failures) for _ in range(50)}
+        assert all(step / 2 <= delay <= step for delay in delays)
+        assert len(delays) > 1
+
+
+@pytest.mark.parametrize(("free", "queues", "slots"), [(5, 1, [5]), (5, 3, [3, 1, 1]), (2, 3, [1, 1]), (0, 2, [])])
+def test_waiting_claims_never_ask_for_more_than_the_free_slots(free, queues, slots):
+    assert split_slots(free, queues) == slots
+
+
+async def test_a_server_that_stops_answering_is_left_for_a_fresh_socket(monkeypatch):
+    monkeypatch.setattr(worker_module, "ANSWER_SECONDS", 0.2)
+    sockets = []
+
+    async def silent(socket):
+        sockets.append(socket)
+        async for _ in socket:  # reads every frame, answers none
+            pass
+
+    async with serve_websocket(silent, "127.0.0.1", 0) as server:
+        port = server.sockets[0].getsockname()[1]
+        worker = Worker(f"http://127.0.0.1:{port}", "th_x", queues=["jobs"])
+        run = asyncio.create_task(worker.run_async(lambda payload, job: None))
+        deadline = time.monotonic() + 10
+        while len(sockets) < 2 and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        worker.stop()
+        await asyncio.wait_for(run, 10)
+    assert len(sockets) >= 2
+
+
+# ---- end to end ----------------------------------------------------------------------------------
+
+
+def test_a_slow_handler_keeps_its_lease_by_heartbeat_and_finishes_once(live, producer):
+    """leaseSeconds 2, a handler of ~5 s: without renewals the sweep would re-queue the item and
+    the second worker, waiting on the same queue, would get it."""
+    calls, rival_calls = [], []
+
+    def slow(payload, job):
+        calls.append(job.attempts)
+        time.sleep(5)
+        return "slow but sure"
+
+    item = producer.post("heartbeat", "x")
+    with working(Worker(live.url, live.token, queues=["heartbeat"]), slow):
+        wait_until(lambda: calls, what="the slow handler to start")
+        with working(Worker(live.url, live.token, queues=["heartbeat"]), lambda p, job: rival_calls.append(job.id)):
+            assert producer.result("heartbeat", item["id"], timeout=30) == "slow but sure"
+    assert calls == [1] and rival_calls == []
+    assert producer.get("heartbeat", item["id"])["attempts"] == 1
+
+
+def test_a_producer_and_two_worker_processes_work_500_items(live, producer, tmp_path):
+    workers = [start_worker_process(live, "many", name, tmp_path / f"{name}.log", concurrency=4, seconds=0.02)
+               for name in ("one", "two")]
+    try:
+        items = producer.post_many("many", range(500))
+        results = [producer.result("many", item["id"], timeout=60) for item in items]
+    finally:
+        for process in workers:
+            process.send_signal(signal.SIGTERM)
+        exits = [process.wait(30) for process in workers]
+
+    assert exits == [0, 0]
+    assert [result["payload"] for result in results] == list(range(500))
+    assert all(result["attempts"] == 1 for result in results)
+    by_worker = {name: sum(result["worker"] == name for result in results) for name in ("one", "two")}
+    assert by_worker["one"] > 0 and by_worker["two"] > 0
+    assert producer.stats("many")["counts"]["finished"] == 500
+
+
+def test_a_worker_killed_mid_handler_loses_nothing(live, producer, tmp_path):
+    stuck_log, rescuer_log = tmp_path / "stuck.log", tmp_path / "rescuer.log"
+    stuck = start_worker_process(live, "killed", "stuck", stuck_log, concurrency=3, seconds=300)
+    rescuer = None
+    try:
+        items = producer.post_many("killed", ["a", "b", "c"])
+        wait_until(lambda: len(started(stuck_log)) == 3, what="the stuck worker to take all three")
+        rescuer = start_worker_process(live, "killed", "rescuer", rescuer_log, concurrency=3)
+        stuck.kill()
+        results = [producer.result("killed", item["id"], timeout=30) for item in items]
+    finally:
+        stuck.kill()
+        stuck.wait()
+        if rescuer is not None:
+            rescuer.send_signal(signal.SIGTERM)
+            assert rescuer.wait(30) == 0
+
+    assert [(r["worker"], r["payload"], r["attempts"]) for r in results] == [
+        ("rescuer", "a", 2), ("rescuer", "b", 2), ("rescuer", "c", 2)]
+    assert sorted(item_id for item_id, _ in started(rescuer_log)) == sorted(item["id"] for item in items)
+
+
+def test_a_second_signal_skips_the_grace_period_and_releases_the_item(live, producer, tmp_path):
+    log_path = tmp_path / "patient.log"
+    worker = start_worker_process(live, "signals", "patient", log_path, seconds=300)  # grace: 30 s
+    try:
+        item = producer.post("signals", "long job")
+        wait_until(lambda: started(log_path), what="the handler to start")
+        worker.send_signal(signal.SIGINT)
+        with pytest.raises(subprocess.TimeoutExpired):
+            worker.wait(0.5)  # the first (Ctrl-C) asks to stop, and waits for the handler
+        worker.send_signal(signal.SIGTERM)
+        assert worker.wait(10) == 0
+    finally:
+        worker.kill()
+        worker.wait()
+    released = producer.get("signals", item["id"])
+    assert released["status"] == "pending" and released["attempts"] == 1
+
+
+def test_the_worker_reconnects_after_a_server_restart_and_every_item_finishes_once(tmp_path, caplog):
+    """The server is killed under a running worker and started again. A handler that was running
+    then finishes while the server is away: its result goes in after the reconnect."""
+    caplog.set_level(logging.WARNING, logger="taskhoster.worker")
+    gate, gated_calls = threading.Event(), []
+
+    def handle(payload, job):
+        if payload == "gated":
+            gated_calls.append(job.attempts)
+            gate.wait(30)
+            return "gated done"
+        time.sleep(0.02)
+        return payload * 2
+
+    with live_server(tmp_path, {"restart": {"lease_seconds": 3}}) as live, Producer(live.url, live.token) as producer:
+        gated = producer.post("restart", "gated")
+        with working(Worker(live.url, live.token, queues=["restart"], concurrency=2), handle) as thread:
+            wait_until(lambda: gated_calls, what="the gated handler to start")
+            items = producer.post_many("restart", range(40))
+            wait_until(lambda: producer.stats("restart")["counts"]["finished"] >= 10, what="ten results")
+
+            live.server.kill()
+            live.server.start()
+            gate.set()
+
+            results = [producer.result("restart", item["id"], timeout=30) for item in items]
+            assert producer.result("restart", gated["id"], timeout=30) == "gated done"
+            assert thread.is_alive()
+
+        assert results == [n * 2 for n in range(40)]
+        assert gated_calls == [1]  # the handler ran once: a re-claim of its item did not start it again
+        counts = producer.stats("restart")["counts"]
+        assert counts == {"pending": 0, "processing": 0, "finished": 41, "failed": 0}
+    assert any("connected again" in record.getMessage() for record in caplog.records)
