@@ -12,7 +12,8 @@ SETTING_FIELDS = ("lease_seconds", "queue_seconds", "retain_seconds", "retain_fr
 
 def save_queue(name: str, **changes) -> Queue:
     """Create the queue, or change only the given settings of an existing one.
-    Raises ValidationError with a message per bad field; nothing is saved then."""
+    Raises ValidationError with a message per bad field, or StorageUnavailable when the queue's
+    directory cannot be made; nothing is saved then."""
     unknown = set(changes) - set(SETTING_FIELDS)
     if unknown:
         raise ValueError(f"unknown queue settings: {sorted(unknown)}")
@@ -22,7 +23,7 @@ def save_queue(name: str, **changes) -> Queue:
             setattr(queue, field, value)
         queue.full_clean()
         queue.save()
-    get_store().ensure_queue(queue.name)
+        get_store().ensure_queue(queue.name)  # inside: a queue whose directory cannot be made is not saved
     return queue
 
 
@@ -52,7 +53,9 @@ def describe_queue(config: QueueConfig, counts: Counts, now: float) -> dict:
     }
 
 
-def validation_messages(error: ValidationError) -> str:
+def validation_messages(error: ValidationError, labels: dict[str, str] | None = None) -> str:
+    """One line for the user; `labels` names fields as the user knows them (a command's options)."""
+    labels = labels or {}
     if hasattr(error, "message_dict"):
-        return "; ".join(f"{field}: {' '.join(msgs)}" for field, msgs in error.message_dict.items())
+        return "; ".join(f"{labels.get(field, field)}: {' '.join(msgs)}" for field, msgs in error.message_dict.items())
     return " ".join(error.messages)

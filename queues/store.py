@@ -7,18 +7,27 @@ place by rename (or by link, where "only if absent" matters), so no reader ever 
 
 Every transition of one item runs under that item's lock (`_ItemLocks`), so transitions from any
 number of threads and processes are serialised per item; a lost race shows up as a missing file
-and is a normal outcome.
+and is a normal outcome. A crash between linking an item into done/ and unlinking its old file
+leaves two copies: done wins everywhere (reads, claims, results, the sweep), and the sweep's
+repair removes the other copy.
 
 What the file system itself records, so that the sweep never has to read a file to decide:
 - the posting time is in the id (UUIDv7), so aged items are found by name;
 - a processing file's mtime is its lease expiry;
 - a done file's mtime is when its retention clock started, and its group-read bit says it has been
   fetched (retainFrom `fetched` never deletes an unfetched item).
+
+Nothing scales with the queue on the hot path: a claim pops from an in-memory view of the oldest
+pending ids (`_PendingIndex`), and a sweep pass lists each state directory once and checks the
+names in bulk, reading only the files it will change.
 """
 
+import errno
 import fcntl
 import heapq
+import itertools
 import json
+import logging
 import os
 import re
 import secrets
@@ -52,6 +61,10 @@ STALE_TMP_SECONDS = 3600
 _UNFETCHED_MODE = 0o600
 _FETCHED_MODE = 0o640  # the group-read bit marks a done item as fetched
 _LOCK_STRIPES = 256
+INDEX_CAPACITY = 100_000  # pending ids one process keeps in memory per queue
+_CHUNK = 10_000  # names handled at once, so a large directory never costs much memory
+
+log = logging.getLogger(__name__)
 
 
 def is_valid_queue_name(name: object) -> bool:
@@ -130,13 +143,14 @@ class Counts:
 
 
 @dataclass(frozen=True)
-class ItemSummary:
-    """One line of a listing: what can be told without reading the file."""
+class SweepChanges:
+    """What one sweep pass over a queue changed: the ids it touched, and tmp files removed."""
 
-    id: str
-    state: str
-    posted_at: float
-    modified_at: float
+    repaired: list[str]
+    failed: list[str]
+    requeued: list[str]
+    deleted: list[str]
+    tmp_removed: int
 
 
 def _encode(item: Item) -> bytes:
@@ -175,60 +189,183 @@ class _ItemLocks:
     Each queue has one lock file; an item maps to one byte of it (striped by id). A thread lock
     per stripe excludes threads of this process (POSIX record locks are per process), a record
     lock on the byte excludes other processes, and the kernel drops it if the process dies.
+    One instance per lock file and process (`for_file`): two instances in one process would not
+    exclude each other, and closing either would drop the other's record locks.
     """
 
-    def __init__(self, path: Path):
-        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    _open: dict[tuple[int, int], "_ItemLocks"] = {}  # (device, inode) of the lock file
+    _open_lock = threading.Lock()
+
+    def __init__(self, fd: int, key: tuple[int, int]):
+        self._fd = fd
+        self._key = key
         self._threads = [threading.Lock() for _ in range(_LOCK_STRIPES)]
+
+    @classmethod
+    def for_file(cls, path: Path) -> "_ItemLocks":
+        with cls._open_lock:
+            try:
+                info = os.stat(path)
+                known = cls._open.get((info.st_dev, info.st_ino))
+                if known is not None:
+                    return known
+            except FileNotFoundError:
+                pass
+            # never close a second descriptor of a registered file: that drops its record locks
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+            info = os.fstat(fd)
+            key = (info.st_dev, info.st_ino)
+            locks = cls._open[key] = cls._open.get(key) or cls(fd, key)
+            return locks
 
     @contextmanager
     def hold(self, item_id: str) -> Iterator[None]:
-
         stripe = int(item_id[-2:], 16) % _LOCK_STRIPES  # the same in every process, unlike hash()
         with self._threads[stripe]:
-            fcntl.lockf(self._fd, fcntl.LOCK_EX, 1, stripe)
+            _lock_byte(self._fd, stripe)
             try:
                 yield
             finally:
                 fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, stripe)
 
     def close(self) -> None:
-        os.close(self._fd)
+        with self._open_lock:
+            if self._open.pop(self._key, None) is self:
+                os.close(self._fd)
+
+
+def _lock_byte(fd: int, offset: int) -> None:
+    """Wait for the record lock on one byte. The kernel's deadlock check counts record locks per
+    process, so threads of two processes each holding one stripe and waiting for the other's are
+    refused with EDEADLK; no thread here holds two stripes, so it is no deadlock: try again."""
+    while True:
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX, 1, offset)
+            return
+        except OSError as exc:
+            if exc.errno != errno.EDEADLK:
+                raise
+            time.sleep(0.001)
 
 
 class _PendingIndex:
-    """This process's view of a queue's pending ids, oldest first, so a claim never lists the
-    directory. Items posted or re-queued here are pushed as they go; the directory is re-read when
-    the index runs dry, and now and then (rarely for a large directory) to pick up items that
-    other processes posted or re-queued."""
+    """This process's view of a queue's oldest pending ids, so a claim never lists the directory.
 
-    def __init__(self, directory: Path):
+    Items posted or re-queued here are pushed as they go. The directory is listed again when the
+    view runs dry (`refill`, which the claim waits for), and in a background thread now and then
+    (rarely for a large directory) to pick up what other processes posted or re-queued; posts go
+    on meanwhile. Only about `capacity` of the oldest ids are kept: ids at or past `_horizon` may
+    be left out, and a later listing finds them. The directory is the truth; the view only saves
+    listing it, so a stale id costs one failed rename.
+    """
+
+    def __init__(self, directory: Path, *, capacity: int):
         self._directory = directory
+        self._capacity = capacity
+        self._lock = threading.Lock()  # guards every field below
         self._heap: list[str] = []
-        self._lock = threading.Lock()
-        self._next_refresh = 0.0
+        self._horizon: str | None = None  # None: nothing was left out
+        self._listed_at = float("-inf")
+        self._listing_took = 0.0
+        self._listing = False  # a listing is under way: ids pushed meanwhile are kept for it
+        self._pushed_meanwhile: list[str] = []
+        self._in_background = False
+        self._listing_lock = threading.Lock()  # one listing at a time
 
     def push(self, item_ids: Iterable[str]) -> None:
         with self._lock:
             for item_id in item_ids:
-                heapq.heappush(self._heap, item_id)
+                self._add(item_id)
+                if self._listing:
+                    self._pushed_meanwhile.append(item_id)
+
+    def _add(self, item_id: str) -> None:
+        if self._horizon is not None and item_id >= self._horizon:
+            return
+        if len(self._heap) >= self._capacity:
+            self._horizon = item_id  # full: leave this one and all younger ones to a listing
+            return
+        heapq.heappush(self._heap, item_id)
 
     def pop(self) -> str | None:
+        """The oldest id in view, or None when the view is empty (`refill` then)."""
         with self._lock:
-            if not self._heap or time.monotonic() >= self._next_refresh:
-                self._refresh()
-            return heapq.heappop(self._heap) if self._heap else None
+            if not self._heap:
+                return None
+            if not self._in_background and self._due():
+                self._in_background = True
+                threading.Thread(target=self._refresh_in_background, daemon=True).start()
+            return heapq.heappop(self._heap)
 
-    def _refresh(self) -> None:
+    def refill(self) -> None:
+        """List the directory now, unless another thread's listing refilled the view meanwhile."""
+        with self._listing_lock:
+            with self._lock:
+                if self._heap:
+                    return
+            self._relist()
+
+    def _due(self) -> bool:
+        age = time.monotonic() - self._listed_at
+        if age >= max(1.0, 50 * self._listing_took):
+            return True
+        running_low = self._horizon is not None and len(self._heap) < self._capacity // 4
+        return running_low and age >= max(1.0, 2 * self._listing_took)
+
+    def _refresh_in_background(self) -> None:
+        try:
+            with self._listing_lock:
+                self._relist()
+        except Exception:  # the next claim that finds the view empty lists again
+            log.exception("listing %s failed", self._directory)
+        finally:
+            with self._lock:
+                self._in_background = False
+
+    def _relist(self) -> None:
+        """Replace the view with a fresh listing. Call holding `_listing_lock`."""
+        with self._lock:
+            self._listing = True
         started = time.monotonic()
         try:
-            names = os.listdir(self._directory)
+            heap, horizon = self._oldest_in_directory()
+        except BaseException:
+            with self._lock:
+                self._listing, self._pushed_meanwhile = False, []
+            raise
+        with self._lock:
+            self._heap, self._horizon = heap, horizon
+            for item_id in self._pushed_meanwhile:  # made after the listing began: perhaps missed
+                self._add(item_id)
+            self._listing, self._pushed_meanwhile = False, []
+            self._listed_at, self._listing_took = time.monotonic(), time.monotonic() - started
+
+    def _oldest_in_directory(self) -> tuple[list[str], str | None]:
+        """About `capacity` of the oldest ids, as a heap, and the horizon. Streams the directory
+        in chunks, so a million names never sit in memory at once."""
+        kept: list[str] = []
+        horizon = None
+        try:
+            with os.scandir(self._directory) as entries:
+                while names := [entry.name for entry in itertools.islice(entries, _CHUNK)]:
+                    found = [name[:-5] for name in names if name.endswith(".json")]
+                    kept += found if horizon is None else filter(horizon.__gt__, found)
+                    if len(kept) > 2 * self._capacity:
+                        horizon = _keep_oldest(kept, self._capacity)
         except FileNotFoundError:
-            names = []
-        self._heap = [name[:-5] for name in names if name.endswith(".json")]
-        heapq.heapify(self._heap)
-        took = time.monotonic() - started
-        self._next_refresh = time.monotonic() + max(1.0, 50 * took)
+            pass
+        if len(kept) > self._capacity:
+            horizon = _keep_oldest(kept, self._capacity)
+        heapq.heapify(kept)
+        return kept, horizon
+
+
+def _keep_oldest(item_ids: list[str], count: int) -> str:
+    """Cut `item_ids` down to its `count` oldest, in place; returns the oldest one cut."""
+    item_ids.sort()
+    horizon = item_ids[count]
+    del item_ids[count:]
+    return horizon
 
 
 class Store:
@@ -242,11 +379,13 @@ class Store:
         fsync: bool = True,
         max_payload_bytes: int = 1 << 20,
         clock: Callable[[], float] = time.time,
+        index_capacity: int = INDEX_CAPACITY,
     ):
         self.data_dir = Path(data_dir)
         self.fsync = fsync
         self.max_payload_bytes = max_payload_bytes
         self.clock = clock
+        self.index_capacity = index_capacity
         self._ids = ids.IdMaker()
         self._locks: dict[str, _ItemLocks] = {}
         self._indexes: dict[str, _PendingIndex] = {}
@@ -285,12 +424,27 @@ class Store:
         with self._storage_errors():
             for state in STATE_DIRS:
                 self._dir(queue, state).mkdir(parents=True, exist_ok=True)
+            # the new directories' own entries must survive a power cut too, or the items in them
+            # would not, fsync'd as they are
+            self._sync_dir(self._queue_dir(queue))
+            self._sync_dir(self.data_dir)
         self._ready.add(queue)
+
+    def check_writable(self) -> bool:
+        """True when a file can be written and removed in the data directory (for /healthz)."""
+        probe = self.data_dir / f".healthz-{secrets.token_hex(6)}"
+        try:
+            self.data_dir.mkdir(parents=True, exist_ok=True)
+            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            os.close(fd)
+            os.unlink(probe)
+            return True
+        except OSError:
+            return False
 
     def delete_queue(self, queue: str) -> None:
         """Delete the queue's directory and every item in it."""
-
-
+        directory = self._queue_dir(queue)
         with self._setup_lock:
             locks = self._locks.pop(queue, None)
             self._indexes.pop(queue, None)
@@ -298,7 +452,7 @@ class Store:
             self._ready.discard(queue)
         if locks:
             locks.close()
-        shutil.rmtree(self._queue_dir(queue), ignore_errors=True)
+        shutil.rmtree(directory, ignore_errors=True)
 
     def _item_lock(self, queue: str, item_id: str):
         locks = self._locks.get(queue)
@@ -307,14 +461,16 @@ class Store:
                 locks = self._locks.get(queue)
                 if locks is None:
                     self.ensure_queue(queue)
-                    locks = self._locks[queue] = _ItemLocks(self._queue_dir(queue) / ".lock")
+                    locks = self._locks[queue] = _ItemLocks.for_file(self._queue_dir(queue) / ".lock")
         return locks.hold(item_id)
 
     def _index(self, queue: str) -> _PendingIndex:
         index = self._indexes.get(queue)
         if index is None:
             with self._setup_lock:
-                index = self._indexes.setdefault(queue, _PendingIndex(self._dir(queue, "pending")))
+                index = self._indexes.setdefault(
+                    queue, _PendingIndex(self._dir(queue, "pending"), capacity=self.index_capacity)
+                )
         return index
 
     # ---- low-level file operations --------------------------------------------------------
@@ -393,7 +549,8 @@ class Store:
 
     def _check_size(self, value: Any, what: str) -> None:
         try:
-            size = len(json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode())
+            # allow_nan=False: NaN and Infinity are not JSON, and no client could read them back
+            size = len(json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode())
         except (TypeError, ValueError) as exc:
             raise InvalidRequest(f"the {what} is not a JSON value") from exc
         if size > self.max_payload_bytes:
@@ -446,13 +603,21 @@ class Store:
         self.ensure_queue(queue)
         index = self._index(queue)
         claimed: list[Item] = []
+        listed_in_vain = False
         while len(claimed) < max_items:
             item_id = index.pop()
             if item_id is None:
-                break
+                if listed_in_vain:
+                    break  # files that cannot be claimed must not make a claim spin
+                with self._storage_errors():
+                    index.refill()
+                listed_in_vain = True
+                continue
             if not ids.is_valid_id(item_id):
                 continue
             with self._item_lock(queue, item_id), self._storage_errors():
+                if self._path(queue, "done", item_id).exists():
+                    continue  # a copy a crash left behind: done wins, and the sweep removes it
                 try:
                     self._move(queue, item_id, "pending", "processing")
                     item = self._read(queue, "processing", item_id)
@@ -472,6 +637,7 @@ class Store:
                 )
                 self._rewrite(queue, "processing", item, mtime=item.lease_expires_at)
             claimed.append(item)
+            listed_in_vain = False
         return claimed
 
     def finish_item(self, *, config: QueueConfig, item_id: str, result: Any) -> FinishOutcome:
@@ -559,7 +725,7 @@ class Store:
         self._valid_id(queue, item_id)
         if not self._dir(queue, "done").is_dir():
             raise ItemNotFound(f"no item {item_id} in queue {queue}")
-        with self._item_lock(queue, item_id):
+        with self._item_lock(queue, item_id), self._storage_errors():
             state, item = self._find(queue, item_id)
             if fetch and state == "done":
                 self._mark_fetched(queue, item_id, restart_clock=retain_from == "fetched")
@@ -588,6 +754,18 @@ class Store:
 
     # ---- sweep passes ---------------------------------------------------------------------
 
+    def sweep_queue(self, *, config: QueueConfig) -> SweepChanges:
+        """One sweep pass over a queue: settle crash leftovers, fail aged items, re-queue lapsed
+        leases, delete retained items, remove stale tmp files. Lists each state directory once."""
+        queue = config.name
+        listing = {state: self._names(queue, state) for state in ("pending", "processing", "done")}
+        repaired = self._repair(queue, listing)
+        # failing first: an item both aged and lapsed ends failed, not re-queued
+        failed = self._fail_aged(config, listing.pop("pending"), listing["processing"])
+        requeued = self._requeue_lapsed(config, listing.pop("processing"))
+        deleted = self._delete_expired(config, listing.pop("done"))
+        return SweepChanges(repaired, failed, requeued, deleted, self.remove_stale_tmp(queue=queue))
+
     def _names(self, queue: str, state: str) -> list[str]:
         try:
             return os.listdir(self._dir(queue, state))
@@ -597,15 +775,43 @@ class Store:
     def _ids_in(self, queue: str, state: str) -> list[str]:
         return [name[:-5] for name in self._names(queue, state) if name.endswith(".json")]
 
+    def repair(self, *, queue: str) -> list[str]:
+        """Settle every id found in two states (a crash mid-transition): done wins, then pending.
+        Files whose names are not item ids are quarantined."""
+        return self._repair(queue, {state: self._names(queue, state) for state in ("pending", "processing", "done")})
+
+    def _repair(self, queue: str, listing: dict[str, list[str]]) -> list[str]:
+        for state, names in listing.items():
+            for name in _not_item_files(names):
+                _quarantine_path(self._dir(queue, state) / name, self._dir(queue, "quarantine"), state)
+        repaired = []
+        doubled = _doubled(listing["pending"], listing["processing"], listing["done"])
+        for name in sorted(doubled):
+            item_id = name[:-5]
+            if not ids.is_valid_id(item_id):
+                continue
+            with self._item_lock(queue, item_id):
+                present = [s for s in ("done", "pending", "processing") if self._path(queue, s, item_id).exists()]
+                for state in present[1:]:
+                    _unlink_quietly(self._path(queue, state, item_id))
+                if len(present) > 1:
+                    repaired.append(item_id)
+        return repaired
+
     def fail_aged(self, *, config: QueueConfig) -> list[str]:
         """Fail every pending or processing item older than the queue allows (G6)."""
         queue = config.name
-        now = self.clock()
-        cutoff = ids.time_prefix(int((now - config.queue_seconds) * 1000))
+        return self._fail_aged(config, self._names(queue, "pending"), self._names(queue, "processing"))
+
+    def _fail_aged(self, config: QueueConfig, pending: list[str], processing: list[str]) -> list[str]:
+        queue, now = config.name, self.clock()
+        # names sort by posting time: those below the bound were posted at or before the cutoff
+        bound = ids.time_prefix(int((now - config.queue_seconds) * 1000) + 1)
         failed = []
-        for state in ("pending", "processing"):
-            for item_id in self._ids_in(queue, state):
-                if item_id[:13] > cutoff or not ids.is_valid_id(item_id):
+        for names in (pending, processing):
+            for name in filter(bound.__gt__, names):
+                item_id = name[:-5]
+                if not (name.endswith(".json") and ids.is_valid_id(item_id)):
                     continue
                 with self._item_lock(queue, item_id), self._storage_errors():
                     try:
@@ -618,26 +824,31 @@ class Store:
         return failed
 
     def requeue_lapsed(self, *, config: QueueConfig) -> list[str]:
-        """Move every processing item whose lease has lapsed back to pending."""
-        queue = config.name
-        now = self.clock()
-        requeued = []
+        """Move every processing item whose lease has lapsed back to pending (an aged one fails)."""
+        return self._requeue_lapsed(config, self._names(config.name, "processing"))
+
+    def _requeue_lapsed(self, config: QueueConfig, processing: list[str]) -> list[str]:
+        queue, now = config.name, self.clock()
         directory = self._dir(queue, "processing")
-        for item_id in self._ids_in(queue, "processing"):
-            if not ids.is_valid_id(item_id):
+        requeued = []
+        for name in processing:
+            item_id = name[:-5]
+            if not (name.endswith(".json") and ids.is_valid_id(item_id)):
                 continue
             try:
-                if os.stat(directory / f"{item_id}.json").st_mtime > now:
+                if os.stat(directory / name).st_mtime > now:
                     continue  # the mtime is the lease expiry: no need to read the file
             except FileNotFoundError:
                 continue
             with self._item_lock(queue, item_id), self._storage_errors():
                 try:
-                    item = self._read(queue, "processing", item_id)
-                except FileNotFoundError:
+                    state, item = self._find(queue, item_id)  # done first: a stray copy stays put
+                except ItemNotFound:
+                    continue
+                if state != "processing":
                     continue
                 if item.lease_expires_at is not None and item.lease_expires_at > now:
-                    continue
+                    continue  # extended meanwhile
                 if now - item.posted_at > config.queue_seconds:
                     self._fail_timed_out(queue, "processing", item, now)
                     continue
@@ -648,47 +859,36 @@ class Store:
     def delete_expired(self, *, config: QueueConfig) -> list[str]:
         """Delete done items whose retention has passed (G7). Reads no file: the mtime is when
         the retention clock started, and the group-read bit says whether it was fetched."""
+        return self._delete_expired(config, self._names(config.name, "done"))
+
+    def _delete_expired(self, config: QueueConfig, done: list[str]) -> list[str]:
         queue = config.name
         cutoff = self.clock() - config.retain_seconds
-        deleted = []
         directory = self._dir(queue, "done")
-        for item_id in self._ids_in(queue, "done"):
-            path = directory / f"{item_id}.json"
+        deleted = []
+        for name in done:
+            item_id = name[:-5]
+            if not (name.endswith(".json") and ids.is_valid_id(item_id)):
+                continue
             try:
-                info = os.stat(path)
+                info = os.stat(directory / name)
             except FileNotFoundError:
                 continue
             if config.retain_from == "fetched" and not info.st_mode & stat.S_IRGRP:
                 continue
-            if info.st_mtime <= cutoff:
-                _unlink_quietly(path)
-                self._done_status.get(queue, {}).pop(item_id, None)
-                deleted.append(item_id)
-        return deleted
-
-    def repair(self, *, queue: str) -> list[str]:
-        """Settle every id found in two states (a crash mid-transition): done wins, then pending.
-        Files whose names are not item ids are quarantined."""
-        names = {state: set(self._names(queue, state)) for state in ("pending", "processing", "done")}
-        for state, found in names.items():
-            for name in found:
-                if not (name.endswith(".json") and ids.is_valid_id(name[:-5])):
-                    _quarantine_path(self._dir(queue, state) / name, self._dir(queue, "quarantine"), state)
-        doubled = (names["done"] & (names["pending"] | names["processing"])) | (
-            names["pending"] & names["processing"]
-        )
-        repaired = []
-        for name in sorted(doubled):
-            item_id = name[:-5]
-            if not ids.is_valid_id(item_id):
+            if info.st_mtime > cutoff:
                 continue
             with self._item_lock(queue, item_id):
-                present = [s for s in ("done", "pending", "processing") if self._path(queue, s, item_id).exists()]
-                for state in present[1:]:
-                    _unlink_quietly(self._path(queue, state, item_id))
-                if len(present) > 1:
-                    repaired.append(item_id)
-        return repaired
+                # a copy a crash left in another state goes first, so the item never comes back
+                _unlink_quietly(self._path(queue, "pending", item_id))
+                _unlink_quietly(self._path(queue, "processing", item_id))
+                try:
+                    os.unlink(directory / name)
+                except FileNotFoundError:
+                    continue  # another sweeper was first
+            self._done_status.get(queue, {}).pop(item_id, None)
+            deleted.append(item_id)
+        return deleted
 
     def remove_stale_tmp(self, *, queue: str) -> int:
         """Remove tmp/ files older than an hour (leftovers of writers that died), and tallies
@@ -798,3 +998,36 @@ def _quarantine_path(path: Path, quarantine: Path, state: str) -> None:
         os.rename(path, quarantine / f"{state}-{path.name}")
     except (FileNotFoundError, IsADirectoryError, OSError):
         pass
+
+
+_ID_FILE_SHAPE = "xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx.json"
+_HEX_AS_X = str.maketrans("0123456789abcdef", "x" * 16)
+
+
+def _not_item_files(names: list[str]) -> list[str]:
+    """The names that are not `<id>.json`. Such junk is rare and a directory may hold a million
+    names, so each chunk of names is first checked as one string, at C speed."""
+    width = len(_ID_FILE_SHAPE)
+    shape, versions = _ID_FILE_SHAPE * _CHUNK, "7" * _CHUNK
+    junk = []
+    for start in range(0, len(names), _CHUNK):
+        chunk = names[start : start + _CHUNK]
+        if len(chunk) < _CHUNK:
+            shape, versions = _ID_FILE_SHAPE * len(chunk), "7" * len(chunk)
+        joined = "".join(chunk)
+        if (
+            set(map(len, chunk)) == {width}
+            and joined.translate(_HEX_AS_X) == shape
+            and joined[14::width] == versions
+            and not joined[19::width].strip("89ab")  # the variant
+        ):
+            continue
+        junk += [name for name in chunk if not (name.endswith(".json") and ids.is_valid_id(name[:-5]))]
+    return junk
+
+
+def _doubled(*listings: list[str]) -> set[str]:
+    """The names found in more than one listing; one pass over the longest, no set of it."""
+    first, second, longest = sorted(listings, key=len)
+    smaller = set(first)
+    return smaller.intersection(second) | smaller.union(second).intersection(longest)

@@ -9,6 +9,7 @@ from .store import QueueConfig, Store
 log = logging.getLogger(__name__)
 
 Requeued = Callable[[str, list[str]], None]
+Failed = Callable[[str, list[str]], None]
 
 
 class Sweeper:
@@ -21,10 +22,12 @@ class Sweeper:
         configs: Callable[[], Iterable[QueueConfig]],
         *,
         on_requeued: Requeued | None = None,
+        on_failed: Failed | None = None,
     ):
         self.store = store
         self.configs = configs
         self.on_requeued = on_requeued
+        self.on_failed = on_failed  # so reads waiting on those items wake
 
     def sweep_once(self) -> dict[str, dict[str, int]]:
         """One pass; returns what changed per queue (queues with no change are left out)."""
@@ -40,20 +43,17 @@ class Sweeper:
         return changes
 
     def _sweep_queue(self, config: QueueConfig) -> dict[str, int]:
-        store, queue = self.store, config.name
-        repaired = store.repair(queue=queue)
-        failed = store.fail_aged(config=config)  # before re-queueing: aged and lapsed ends failed
-        requeued = store.requeue_lapsed(config=config)
-        deleted = store.delete_expired(config=config)
-        tmp_removed = store.remove_stale_tmp(queue=queue)
-        if requeued and self.on_requeued:
-            self.on_requeued(queue, requeued)
+        changes = self.store.sweep_queue(config=config)
+        if changes.requeued and self.on_requeued:
+            self.on_requeued(config.name, changes.requeued)
+        if changes.failed and self.on_failed:
+            self.on_failed(config.name, changes.failed)
         return {
-            "repaired": len(repaired),
-            "failed": len(failed),
-            "requeued": len(requeued),
-            "deleted": len(deleted),
-            "tmpRemoved": tmp_removed,
+            "repaired": len(changes.repaired),
+            "failed": len(changes.failed),
+            "requeued": len(changes.requeued),
+            "deleted": len(changes.deleted),
+            "tmpRemoved": changes.tmp_removed,
         }
 
     def run(self, *, interval: float, stop: threading.Event, report: Callable[[dict], None] | None = None) -> None:

@@ -4,8 +4,11 @@ import time
 from django.core.exceptions import ValidationError
 from django.core.management.base import BaseCommand, CommandError
 
+from queues.exceptions import TaskhosterError
 from queues.runtime import get_store
-from queues.services import describe_queue, save_queue, validation_messages
+from queues.services import SETTING_FIELDS, describe_queue, save_queue, validation_messages
+
+OPTION_NAMES = {"name": "name", **{field: "--" + field.replace("_", "-") for field in SETTING_FIELDS}}
 
 
 class Command(BaseCommand):
@@ -13,21 +16,22 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser):
         parser.add_argument("name")
-        parser.add_argument("--lease-seconds", type=int)
-        parser.add_argument("--queue-seconds", type=int)
-        parser.add_argument("--retain-seconds", type=int)
+        parser.add_argument("--lease-seconds", type=int, help="1 to 86400")
+        parser.add_argument("--queue-seconds", type=int, help="1 to 2592000 (30 days)")
+        parser.add_argument("--retain-seconds", type=int, help="0 to 2592000 (30 days)")
         parser.add_argument("--retain-from", choices=["finished", "fetched"])
         paused = parser.add_mutually_exclusive_group()
         paused.add_argument("--paused", dest="paused", action="store_true", default=None)
         paused.add_argument("--unpaused", dest="paused", action="store_false")
 
     def handle(self, *args, name, **options):
-        fields = ("lease_seconds", "queue_seconds", "retain_seconds", "retain_from", "paused")
-        changes = {field: options[field] for field in fields if options.get(field) is not None}
+        changes = {field: options[field] for field in SETTING_FIELDS if options.get(field) is not None}
         try:
             queue = save_queue(name, **changes)
         except ValidationError as exc:
-            raise CommandError(validation_messages(exc)) from exc
+            raise CommandError(validation_messages(exc, OPTION_NAMES)) from exc
+        except TaskhosterError as exc:  # the data directory cannot be written
+            raise CommandError(exc.message) from exc
         config = queue.config()
         counts = get_store().count_items(queue=config.name)
         self.stdout.write(json.dumps(describe_queue(config, counts, time.time())))

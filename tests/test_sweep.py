@@ -1,0 +1,177 @@
+"""The Sweeper, driven directly with the injected clock."""
+
+import os
+import threading
+import time
+from dataclasses import replace
+
+import pytest
+
+from queues.store import STALE_TMP_SECONDS, QueueConfig, Store
+from queues.sweep import Sweeper
+
+QUIET = {"repaired": 0, "failed": 0, "requeued": 0, "deleted": 0, "tmpRemoved": 0}
+
+
+def state_dir(store: Store, queue: str, state: str):
+    return store.data_dir / queue / state
+
+
+def states_of(store: Store, queue: str, item_id: str) -> list[str]:
+    return [s for s in ("pending", "processing", "done") if (state_dir(store, queue, s) / f"{item_id}.json").exists()]
+
+
+def test_one_pass_applies_every_timer_and_repairs_crash_leftovers(store, clock, config):
+    start = clock.now
+    (aged,) = (i.id for i in store.post_items(queue="jobs", payloads=[0]))
+    clock.advance(200)
+    lapsed, retained, doubled = (i.id for i in store.post_items(queue="jobs", payloads=[1, 2, 3]))
+    store.claim_items(config=config, max_items=4)
+    store.release_item(queue="jobs", item_id=aged)
+    clock.advance(20)
+    store.finish_item(config=config, item_id=retained, result="r")
+    store.finish_item(config=config, item_id=doubled, result="r")
+    # a crash between linking into done and unlinking the source leaves a second copy
+    (state_dir(store, "jobs", "pending") / f"{doubled}.json").write_bytes(b"{}")
+    stale = state_dir(store, "jobs", "tmp") / "left.json"
+    stale.write_text("{}")
+    os.utime(stale, (time.time() - STALE_TMP_SECONDS - 1,) * 2)
+    fresh_pending = store.post_items(queue="jobs", payloads=["young"])[0].id
+    clock.now = start + config.queue_seconds + 1  # only `aged` is too old
+
+    sweeper = Sweeper(store, lambda: [config])
+    assert sweeper.sweep_once() == {
+        "jobs": {"repaired": 1, "failed": 1, "requeued": 1, "deleted": 2, "tmpRemoved": 1}
+    }
+    assert store.read_item(queue="jobs", item_id=aged).error == "timeout"
+    assert states_of(store, "jobs", lapsed) == ["pending"]
+    assert states_of(store, "jobs", retained) == []
+    assert states_of(store, "jobs", doubled) == []
+    assert states_of(store, "jobs", fresh_pending) == ["pending"]
+    assert os.listdir(state_dir(store, "jobs", "tmp")) == []
+    assert sweeper.sweep_once() == {}
+
+
+def test_an_aged_and_lapsed_item_ends_failed_in_one_pass(store, clock, config):
+    (item,) = store.post_items(queue="jobs", payloads=[1])
+    store.claim_items(config=config)
+    clock.advance(config.queue_seconds + 1)
+    assert Sweeper(store, lambda: [config]).sweep_once() == {"jobs": {**QUIET, "failed": 1}}
+    done = store.read_item(queue="jobs", item_id=item.id)
+    assert (done.status, done.error, done.attempts) == ("failed", "timeout", 1)
+
+
+def test_only_queues_that_changed_are_reported(store, clock, config):
+    quiet = QueueConfig(name="quiet")
+    store.post_items(queue="quiet", payloads=[1])
+    store.post_items(queue="jobs", payloads=[1])
+    store.claim_items(config=config)
+    clock.advance(config.lease_seconds + 1)
+    assert Sweeper(store, lambda: [quiet, config]).sweep_once() == {"jobs": {**QUIET, "requeued": 1}}
+
+
+def test_the_callbacks_hear_which_items_were_requeued_and_failed(store, clock, config):
+    first, second = (i.id for i in store.post_items(queue="jobs", payloads=[1, 2]))
+    store.claim_items(config=config)
+    clock.advance(config.lease_seconds + 1)
+    heard = []
+    sweeper = Sweeper(
+        store,
+        lambda: [config],
+        on_requeued=lambda queue, ids: heard.append(("requeued", queue, ids)),
+        on_failed=lambda queue, ids: heard.append(("failed", queue, ids)),
+    )
+    sweeper.sweep_once()
+    clock.advance(config.queue_seconds)
+    sweeper.sweep_once()
+    assert [(what, queue, sorted(ids)) for what, queue, ids in heard] == [
+        ("requeued", "jobs", [first]),
+        ("failed", "jobs", sorted([first, second])),
+    ]
+
+
+def test_one_queue_failing_does_not_stop_the_others(store, clock, config, monkeypatch, caplog):
+    broken = QueueConfig(name="broken")
+    store.post_items(queue="jobs", payloads=[1])
+    store.claim_items(config=config)
+    clock.advance(config.lease_seconds + 1)
+    real_sweep = store.sweep_queue
+
+    def sweep_queue(*, config):
+        if config.name == "broken":
+            raise OSError("disk on fire")
+        return real_sweep(config=config)
+
+    monkeypatch.setattr(store, "sweep_queue", sweep_queue)
+    assert Sweeper(store, lambda: [broken, config]).sweep_once() == {"jobs": {**QUIET, "requeued": 1}}
+    assert "sweep of queue broken failed" in caplog.text
+
+
+def test_run_passes_until_stopped_and_survives_a_failing_pass(store, clock, config):
+    store.post_items(queue="jobs", payloads=[1])
+    store.claim_items(config=config)
+    clock.advance(config.lease_seconds + 1)
+    calls, reports = [], []
+    stop = threading.Event()
+
+    def configs():
+        calls.append(1)
+        if len(calls) == 1:
+            raise ConnectionError("the database is down for a moment")
+        return [config]
+
+    def report(changes):
+        reports.append(changes)
+        stop.set()
+
+    Sweeper(store, configs).run(interval=0.01, stop=stop, report=report)
+    assert reports == [{"jobs": {**QUIET, "requeued": 1}}]
+    assert len(calls) == 2
+
+
+def test_several_sweepers_at_once_change_each_item_once(tmp_path, clock, config):
+    """Two sweepers per process (threads), as if from two processes (two stores), race over the
+    same lapsed items: each item is re-queued exactly once."""
+    stores = [Store(tmp_path / "shared", fsync=False, clock=clock) for _ in range(2)]
+    posted = [i.id for i in stores[0].post_items(queue="jobs", payloads=list(range(300)))]
+    assert len(stores[0].claim_items(config=config, max_items=300)) == 300
+    clock.advance(config.lease_seconds + 1)
+    changes = []
+    sweepers = [Sweeper(s, lambda: [config], on_requeued=lambda q, ids: changes.extend(ids)) for s in stores * 2]
+    threads = [threading.Thread(target=s.sweep_once) for s in sweepers]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(changes) == posted
+    for item_id in posted:
+        assert states_of(stores[0], "jobs", item_id) == ["pending"]
+        assert stores[1].read_item(queue="jobs", item_id=item_id).attempts == 1
+
+
+def test_retention_deletes_a_stray_copy_with_the_done_item(store, clock, config):
+    """A crash leftover must never bring a deleted item back."""
+    (item,) = store.post_items(queue="jobs", payloads=[1])
+    store.claim_items(config=config)
+    held = (state_dir(store, "jobs", "processing") / f"{item.id}.json").read_bytes()
+    store.finish_item(config=config, item_id=item.id, result="r")
+    (state_dir(store, "jobs", "processing") / f"{item.id}.json").write_bytes(held)
+    clock.advance(config.retain_seconds)
+    assert store.delete_expired(config=config) == [item.id]
+    assert states_of(store, "jobs", item.id) == []
+
+
+@pytest.mark.parametrize("retain_from", ["finished", "fetched"])
+def test_the_sweep_honours_retain_from(store, clock, config, retain_from):
+    config = replace(config, retain_from=retain_from)
+    (item,) = store.post_items(queue="jobs", payloads=[1])
+    store.finish_item(config=config, item_id=item.id, result="r")
+    sweeper = Sweeper(store, lambda: [config])
+    clock.advance(config.retain_seconds)
+    expected = {"jobs": {**QUIET, "deleted": 1}} if retain_from == "finished" else {}
+    assert sweeper.sweep_once() == expected
+    if retain_from == "fetched":
+        store.read_item(queue="jobs", item_id=item.id, fetch=True, retain_from=retain_from)
+        assert sweeper.sweep_once() == {}
+        clock.advance(config.retain_seconds)
+        assert sweeper.sweep_once() == {"jobs": {**QUIET, "deleted": 1}}
