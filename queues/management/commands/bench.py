@@ -1,0 +1,68 @@
+import json
+from pathlib import Path
+
+from django.core.management.base import BaseCommand, CommandError
+
+from queues.bench.harness import MEASURES, QUICK, BadSettings, BenchSettings, check, run, settings_from
+
+FULL = BenchSettings()
+FSYNC_MODES = {"on": (True,), "off": (False,), "both": (True, False)}
+
+
+def _sizes(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part.replace("_", "")) for part in text.split(","))
+    except ValueError:
+        raise CommandError(f"--pending-sizes takes whole numbers separated by commas, not {text!r}") from None
+
+
+class Command(BaseCommand):
+    help = (
+        "Measure the server on its own throw-away servers (or --url): posts, end to end with worker "
+        "processes, round trips, claims and a quiet sweep on big queues. Prints one JSON line; "
+        "progress goes to stderr."
+    )
+
+    def add_arguments(self, parser):
+        sizes = ",".join(map(str, FULL.pending_sizes))
+        parser.add_argument("--quick", action="store_true",
+                            help=f"small sizes for CI ({QUICK.items} items, {QUICK.round_trips} round trips, "
+                                 f"pending sizes {','.join(map(str, QUICK.pending_sizes))}); asserts no speed")
+        parser.add_argument("--fsync", choices=FSYNC_MODES, default="both",
+                            help="TASKHOSTER_FSYNC of the servers (default both)")
+        parser.add_argument("--only", help=f"comma-separated, some of: {','.join(MEASURES)} (default all)")
+        parser.add_argument("--items", type=int, help=f"items of the end-to-end run (default {FULL.items})")
+        parser.add_argument("--workers", type=int, help=f"worker processes (default {FULL.workers})")
+        parser.add_argument("--batch", type=int, help=f"items per post in batches (default {FULL.batch})")
+        parser.add_argument("--claim-batch", type=int,
+                            help=f"most items per claim of a worker (default {FULL.claim_batch})")
+        parser.add_argument("--round-trips", type=int,
+                            help=f"round trips timed one at a time (default {FULL.round_trips})")
+        parser.add_argument("--pending-sizes", help=f"pending items to measure a claim at (default {sizes})")
+        parser.add_argument("--post-seconds", type=float,
+                            help=f"how long each kind of post runs (default {FULL.post_seconds:g})")
+        parser.add_argument("--server-claims", type=int,
+                            help=f"claims served on the biggest queue (default {FULL.server_claims})")
+        parser.add_argument("--url", help="measure this server instead of starting our own (API measures only)")
+        parser.add_argument("--token", help="with --url: a token that may produce and work")
+        parser.add_argument("--post-queue", help=f"with --url: the queue posts go to (default {FULL.post_queue})")
+        parser.add_argument("--work-queue", help=f"with --url: the queue the workers work (default {FULL.work_queue})")
+        parser.add_argument("--profile", type=Path, metavar="DIR",
+                            help="record each measurement's server with py-spy into DIR (needs py-spy on PATH)")
+
+    def handle(self, *args, **options):
+        only, sizes = options.pop("only"), options["pending_sizes"]
+        options["measures"] = tuple(only.split(",")) if only else None
+        options["pending_sizes"] = _sizes(sizes) if sizes else None
+        options["fsync"] = FSYNC_MODES[options["fsync"]]
+        options["profile_dir"] = options.pop("profile")
+        settings = settings_from(options)
+        try:
+            check(settings)
+        except BadSettings as exc:
+            raise CommandError(str(exc)) from exc
+        self.stdout.write(json.dumps(run(settings, self._say), separators=(",", ":")))
+
+    def _say(self, message: str) -> None:
+        self.stderr.write(message)
+        self.stderr.flush()

@@ -1,0 +1,144 @@
+"""`manage.py bench`: it runs end to end and reports every figure, and refuses settings it
+cannot run with. No speed is asserted here: speed is what the bench reports, not what CI checks."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import replace
+
+import pytest
+from django.core.management import CommandError, call_command
+
+from queues.bench.harness import QUICK, BadSettings, check, check_disk_space
+from queues.bench.profiling import cpu_seconds, summary
+from serverproc import MANAGE, PROJECT_DIR, Deployment
+
+PER_FSYNC_MODE = {
+    "singlePostsPerSecond", "batchItemsPerSecond", "endToEndItemsPerSecond", "roundTripMs", "bigQueue",
+    "claimMicroseconds",
+}
+
+
+def run_bench(tmp_path, *args: str) -> tuple[dict, str]:
+    """Run the command in its own process, as a user would; its JSON line and its stderr."""
+    env = {**os.environ, "SECRET_KEY": "tests", "TASKHOSTER_DATA_DIR": str(tmp_path / "unused")}
+    done = subprocess.run(
+        [sys.executable, str(MANAGE), "bench", *args],
+        cwd=PROJECT_DIR, env=env, capture_output=True, text=True, timeout=180,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    lines = done.stdout.splitlines()
+    assert len(lines) == 1, done.stdout  # one JSON line and nothing else on stdout
+    return json.loads(lines[0]), done.stderr
+
+
+def positive_numbers(value) -> list:
+    """Every leaf of a JSON value, for checking they are all positive numbers."""
+    if isinstance(value, dict):
+        return [leaf for item in value.values() for leaf in positive_numbers(item)]
+    return [value]
+
+
+def assert_all_positive(figures: dict) -> None:
+    for leaf in positive_numbers(figures):
+        assert isinstance(leaf, (int, float)) and not isinstance(leaf, bool) and leaf > 0, figures
+
+
+def test_quick_bench_reports_every_figure_for_both_fsync_modes(tmp_path):
+    report, progress = run_bench(tmp_path, "--quick")
+
+    assert report["settings"]["items"] == 500 and report["settings"]["pendingSizes"] == [10, 2000]
+    assert set(report["fsync"]) == {"on", "off"}
+    for figures in report["fsync"].values():
+        assert set(figures) == PER_FSYNC_MODE
+        assert set(figures["roundTripMs"]) == {"p50", "p95", "p99"}
+        assert figures["roundTripMs"]["p50"] <= figures["roundTripMs"]["p95"] <= figures["roundTripMs"]["p99"]
+        assert set(figures["claimMicroseconds"]) == {"10", "2000"}
+        assert set(figures["bigQueue"]) == {"pending", "firstClaimMs", "claimMs", "serverPeakMemoryMB"}
+        assert figures["bigQueue"]["pending"] == 2000
+        assert_all_positive(figures)
+    assert set(report["quietSweepSeconds"]) == {"2000"}
+    assert_all_positive(report["quietSweepSeconds"])
+    assert "serve pid" in progress  # progress goes to stderr
+
+
+def test_bench_measures_a_server_given_by_url(tmp_path):
+    deployment = Deployment(tmp_path / "target")
+    deployment.migrate()
+    deployment.create_queue("posts")
+    deployment.create_queue("work")
+    token = deployment.create_token("bench")
+    with deployment.server() as server:
+        report, _ = run_bench(
+            tmp_path, "--url", server.url, "--token", token, "--post-queue", "posts", "--work-queue", "work",
+            "--only", "posts,round-trip", "--post-seconds", "0.3", "--round-trips", "5", "--workers", "1",
+        )
+
+    assert report["settings"]["url"] == server.url
+    assert set(report["server"]) == {"singlePostsPerSecond", "batchItemsPerSecond", "roundTripMs"}
+    assert_all_positive(report["server"])
+
+
+@pytest.mark.parametrize(
+    "changes, complaint",
+    [
+        ({"batch": 1001}, "--batch"),
+        ({"claim_batch": 0}, "--claim-batch"),
+        ({"round_trips": 1}, "--round-trips"),
+        ({"pending_sizes": (10, 0)}, "--pending-sizes"),
+        ({"post_seconds": 0}, "--post-seconds"),
+        ({"measures": ("posts", "speed")}, "--only"),
+        ({"url": "http://127.0.0.1:9"}, "--token"),
+        ({"url": "http://127.0.0.1:9", "token": "t", "measures": ("posts", "claim")}, "--only"),
+    ],
+)
+def test_bench_refuses_settings_it_cannot_run_with(changes, complaint):
+    with pytest.raises(BadSettings, match=complaint):
+        check(replace(QUICK, **changes))
+
+
+@pytest.mark.parametrize(
+    "args, complaint",
+    [(["--pending-sizes", "10,lots"], "--pending-sizes"), (["--only", "speed"], "--only")],
+)
+def test_bench_command_answers_bad_options_with_a_clear_error(args, complaint):
+    with pytest.raises(CommandError, match=complaint):
+        call_command("bench", *args)
+
+
+def test_disk_check_refuses_a_queue_that_does_not_fit(tmp_path):
+    with pytest.raises(BadSettings, match="pending-sizes"):
+        check_disk_space(tmp_path, 10**12)
+    check_disk_space(tmp_path, 10)
+
+
+def test_profile_summary_counts_busy_samples_and_merges_pool_threads():
+    raw = "\n".join([
+        "thread (1): MainThread;BaseEventLoop._run_once (asyncio/base_events.py:1898);"
+        "EpollSelector.select (selectors.py:468) 50",
+        "thread (2): store_0;_worker (concurrent/futures/thread.py:81) 20",
+        "thread (2): store_0;_worker (concurrent/futures/thread.py:83);Store.post_items (queues/store.py:512);"
+        "Store._write_tmp (queues/store.py:480) 20",
+        "thread (3): store_1;_worker (concurrent/futures/thread.py:83);Store.post_items (queues/store.py:515) 10",
+        "thread (4): sweep;Sweeper.run (queues/sweep.py:70);Event.wait (threading.py:629);"
+        "Condition.wait (threading.py:331) 40",
+    ])
+
+    text = summary(raw)
+
+    assert text.startswith("140 samples, 30 busy (21%)")
+    by_thread, inclusive, own = text.split("% of busy samples:")[1:]
+    assert "100.0%  store" in by_thread and "MainThread" not in by_thread  # idle threads cost nothing
+    assert "100.0%  Store.post_items (queues/store.py)" in inclusive  # its two lines counted together
+    assert "66.7%  Store._write_tmp (queues/store.py)" in own and "33.3%  Store.post_items (queues/store.py)" in own
+    assert "select" not in text.split("by thread")[1] and "Sweeper" not in text  # idle waits are no costs
+
+
+def test_cpu_seconds_reads_what_a_process_has_used():
+    before = cpu_seconds(os.getpid())
+    burn_until = time.process_time() + 0.05
+    while time.process_time() < burn_until:
+        pass
+    assert cpu_seconds(os.getpid()) >= before + 0.03
