@@ -27,7 +27,7 @@ class Hub:
     def __init__(self):
         self._lock = threading.Lock()
         self._claim_waiters: dict[str, deque[asyncio.Future]] = defaultdict(deque)
-        self._item_waiters: dict[tuple[str, str], list[asyncio.Future]] = defaultdict(list)
+        self._item_waiters: dict[tuple[str, str], deque[asyncio.Future]] = defaultdict(deque)
         self.bridge: Bridge | None = None
 
     def items_available(self, queue: str, count: int = 1, *, local_only: bool = False) -> None:
@@ -55,38 +55,27 @@ class Hub:
 
     async def wait_available(self, queue: str, timeout: float) -> bool:
         """Wait until woken for `queue` or `timeout` passes; True if woken."""
-        future = asyncio.get_running_loop().create_future()
-        with self._lock:
-            self._claim_waiters[queue].append(future)
-        try:
-            return await asyncio.wait_for(future, timeout)
-        except asyncio.TimeoutError:
-            return False
-        finally:
-            with self._lock:
-                waiters = self._claim_waiters.get(queue)
-                if waiters is not None and future in waiters:
-                    waiters.remove(future)
-                    if not waiters:
-                        del self._claim_waiters[queue]
+        return await self._wait(self._claim_waiters, queue, timeout)
 
     async def wait_terminal(self, queue: str, item_id: str, timeout: float) -> bool:
         """Wait until the item is reported terminal or `timeout` passes; True if reported."""
+        return await self._wait(self._item_waiters, (queue, item_id), timeout)
+
+    async def _wait(self, waiting: dict, key, timeout: float) -> bool:
         future = asyncio.get_running_loop().create_future()
-        key = (queue, item_id)
         with self._lock:
-            self._item_waiters[key].append(future)
+            waiting[key].append(future)
         try:
             return await asyncio.wait_for(future, timeout)
         except asyncio.TimeoutError:
             return False
         finally:
             with self._lock:
-                waiters = self._item_waiters.get(key)
+                waiters = waiting.get(key)
                 if waiters is not None and future in waiters:
                     waiters.remove(future)
                     if not waiters:
-                        del self._item_waiters[key]
+                        del waiting[key]
 
 
 hub = Hub()
