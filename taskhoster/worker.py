@@ -2,6 +2,10 @@
 handler on each, keeps their leases while handlers run, hands results in (batched when many finish
 together), reconnects by itself, and stops gracefully on SIGTERM/SIGINT.
 
+Under load it spends few frames per item: what happens in one event-loop turn (handlers finishing,
+a claim or an ack coming back) is acted on once at the end of the turn, with one `results` frame
+for every result ready and one claim for every free slot; a few free slots wait a moment for more.
+
     Worker(url, token, queues=["thumbs"], concurrency=4).run(handler)
 
 `handler(payload, job)` is a plain function (run in a thread of its own) or an async function;
@@ -33,6 +37,7 @@ ON_ERROR = ("result", "release")
 CLAIM_WAIT_SECONDS = 20  # how long one waiting claim lasts before it is asked again
 CLAIM_MAX = 100  # the server's limit of items per claim
 CLAIM_RETRY_SECONDS = 1.0  # after a claim the server refused for a passing reason
+FILL_DELAY_SECONDS = 0.001  # fewer than half the slots free: wait this long for more to free up
 # claim errors no retry can mend: the worker stops and raises them
 FATAL_CLAIM_ERRORS = {"unauthorized", "forbidden", "unknown_queue", "invalid_request", "invalid_json"}
 BATCH_ITEMS = 1000  # the server's limit for one `results` frame
@@ -127,13 +132,14 @@ class Worker:
 
 
 class _Running:
-    """A handler at work on one item, and the socket the item was claimed over."""
+    """A handler at work on one item, the socket the item was claimed over, and the timer of its
+    next lease renewal (a timer, not a task: most handlers finish long before it fires)."""
 
     def __init__(self, job: Job, link: Link):
         self.job = job
         self.link = link
         self.task: asyncio.Task | None = None
-        self.heartbeat: asyncio.Task | None = None
+        self.heartbeat: asyncio.TimerHandle | None = None
 
 
 class _Run:
@@ -145,12 +151,16 @@ class _Run:
         self.loop = asyncio.get_running_loop()
         self.running: dict[str, _Running] = {}
         self.outbox: dict[str, tuple[str, Any, int]] = {}  # id -> queue, result, size; until acked
-        self.outbox_changed = asyncio.Event()
+        self.handing_in: asyncio.Task | None = None  # the results frame waiting for its ack
         self.link: Link | None = None
         self.claiming: dict[str, int] = {}  # queue -> slots its outstanding claim may fill
-        self.known_empty: set[str] = set()
+        self.known_empty: set[str] = set()  # queues whose last claim brought fewer items than asked
         self.rotation = deque(worker.queues)
         self.claim_tasks: set[asyncio.Task] = set()
+        # claims wait for a moment when only a few slots are free: half of them is enough at once
+        self.enough_slots = max(1, min(worker.concurrency, CLAIM_MAX) // 2)
+        self.turn: asyncio.Handle | None = None  # the end-of-turn step, when one is due
+        self.fill_timer: asyncio.TimerHandle | None = None
         self.stopping = False
         self.stop_asked = asyncio.Event()
         self.hurry = asyncio.Event()
@@ -166,6 +176,9 @@ class _Run:
             await self._stay_connected()
         finally:
             shutdown.cancel()
+            for handle in (self.turn, self.fill_timer):
+                if handle is not None:
+                    handle.cancel()
             for running in list(self.running.values()):
                 running.task.cancel()
         if self.fatal is not None:
@@ -241,40 +254,84 @@ class _Run:
         self.claiming.clear()
         self.known_empty.clear()
         reader = asyncio.create_task(link.read_answers())
-        sender = self._spawn(self._send_results(link))
         finished = asyncio.create_task(self.finished.wait())
-        self._fill()
+        self._nudge()  # results that finished while away go in first
         try:
             await asyncio.wait({reader, finished}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             self.link = None
-            for task in (sender, finished, *self.claim_tasks):
-                task.cancel()
+            for task in (finished, self.handing_in, *self.claim_tasks):
+                if task is not None:
+                    task.cancel()
             self.claim_tasks.clear()
             await link.socket.close()
             await reader
+
+    # -- once per event-loop turn --------------------------------------------------------------
+
+    def _nudge(self) -> None:
+        """Something changed (a handler finished, a claim or an ack came back): act on it once this
+        event-loop turn is over, so that everything that happened in the same turn goes together."""
+        if self.turn is None:
+            self.turn = self.loop.call_soon(self._take_turn)
+
+    def _take_turn(self) -> None:
+        self.turn = None
+        link = self.link
+        if link is None:
+            return  # connecting again: the next socket starts with a turn of its own
+        if self._items_likely_waiting():
+            # claim first: the server hands out the next items while it stores these results
+            self._fill(link)
+            self._hand_in(link)
+        else:
+            # results first: a producer waiting for one sees it sooner; the claim waits for items
+            self._hand_in(link)
+            self._fill(link)
+
+    def _items_likely_waiting(self) -> bool:
+        return any(queue not in self.known_empty for queue in self.rotation)
 
     # -- claiming ------------------------------------------------------------------------------
 
     def _free_slots(self) -> int:
         return self.worker.concurrency - len(self.running) - sum(self.claiming.values())
 
-    def _fill(self) -> None:
-        """Claim for every free slot: first from queues that may have items (answered at once),
-        then, when all are known empty, one waiting claim per idle queue."""
-        link = self.link
-        if link is None or self.stopping:
+    def _fill(self, link: Link, *, waited: bool = False) -> None:
+        """Claim for the free slots: first from queues that may have items (answered at once),
+        then, when all are known empty, one waiting claim per idle queue. Fewer than
+        `enough_slots` free wait FILL_DELAY_SECONDS for more, so a claim brings a batch."""
+        if self.stopping:
             return
         free = min(self._free_slots(), CLAIM_MAX)
-        if free <= 0:
-            return
-        ready = [q for q in self.rotation if q not in self.known_empty and q not in self.claiming]
-        if ready:
-            self._claim(link, ready[0], free, wait=0)
-            return
         idle = [q for q in self.rotation if q not in self.claiming]
+        if free <= 0 or not idle:
+            return
+        if free < self.enough_slots and not waited:
+            if self.fill_timer is None:
+                self.fill_timer = self.loop.call_later(FILL_DELAY_SECONDS, self._fill_after_delay)
+            return
+        if self.fill_timer is not None:
+            self.fill_timer.cancel()
+            self.fill_timer = None
+        ready = [q for q in idle if q not in self.known_empty]
+        if ready:
+            self._claim(link, ready[0], free, wait=self._first_claim_wait(link))
+            return
         for queue, slots in zip(idle, split_slots(free, len(idle))):
             self._claim(link, queue, slots, wait=CLAIM_WAIT_SECONDS)
+
+    def _fill_after_delay(self) -> None:
+        self.fill_timer = None
+        if self.link is not None:
+            self._fill(self.link, waited=True)
+
+    def _first_claim_wait(self, link: Link) -> int:
+        """How long a claim on a queue that may have items waits. With one queue nothing else
+        could use the slots meanwhile, so it waits (and saves the empty answer and the claim
+        after it); but not before the server has answered on this socket, so a server that
+        takes frames and never answers is noticed within ANSWER_SECONDS."""
+        return CLAIM_WAIT_SECONDS if len(self.rotation) == 1 and link.answered else 0
 
     def _claim(self, link: Link, queue: str, slots: int, wait: int) -> None:
         self.claiming[queue] = slots
@@ -296,13 +353,15 @@ class _Run:
         if self.stopping:  # a claim that was waiting when the stop came: give its items back
             await asyncio.gather(*(self._release(link, job) for job in jobs))
             return
-        if jobs:
-            self.known_empty.discard(queue)
-        else:
+        if len(jobs) < slots:  # the server had no more: the next claim on it may wait
             self.known_empty.add(queue)
+        else:
+            self.known_empty.discard(queue)
         for job in jobs:
             self._take(job, link)
-        self._fill()
+        if self._free_slots() > 0:
+            # only then: a turn due now would come before these handlers and split their results
+            self._nudge()
 
     async def _ask_for_items(self, link: Link, queue: str, slots: int, wait: int) -> list[dict] | None:
         """The items one claim brings; None if the socket closed or the claim can never work."""
@@ -334,7 +393,7 @@ class _Run:
         else:
             running = self.running[job.id] = _Running(job, link)
             running.task = self._spawn(self._work(running))
-        running.heartbeat = self._spawn(self._keep_lease(running))
+        self._renew_later(running)
 
     # -- running a handler ---------------------------------------------------------------------
 
@@ -354,28 +413,34 @@ class _Run:
                 result = error_result(exc)
                 size = encoded_size(result)
             self.outbox[job.id] = (running.job.queue, result, size)
-            self.outbox_changed.set()
         finally:
             running.heartbeat.cancel()
             if self.running.get(job.id) is running:
                 del self.running[job.id]
-            self._fill()
+            self._nudge()
 
-    async def _keep_lease(self, running: _Running) -> None:
-        """Renew the lease at every half of it while the handler runs. Stops when the item is no
-        longer held (finished elsewhere, timed out) or the socket it came over closed: the server
-        has re-queued it then, and the handler's result may still be accepted."""
-        job, link = running.job, running.link
-        seconds = max(1, math.ceil(job.lease_seconds))
-        while True:
-            await asyncio.sleep(job.lease_seconds / 2)
-            if link is not self.link:
-                return
-            try:
-                await link.request({"op": "extend", "queue": job.queue, "id": job.id, "seconds": seconds})
-            except (ApiError, LinkClosed) as exc:
-                log.info("stopped renewing the lease of %s %s: %s", job.queue, job.id, exc)
-                return
+    def _renew_later(self, running: _Running) -> None:
+        """Renew the lease at every half of it while the handler runs."""
+        running.heartbeat = self.loop.call_later(running.job.lease_seconds / 2, self._renew, running, running.link)
+
+    def _renew(self, running: _Running, link: Link) -> None:
+        if link is self.link and self.running.get(running.job.id) is running:
+            self._spawn(self._extend(running, link))
+
+    async def _extend(self, running: _Running, link: Link) -> None:
+        """Stops renewing when the item is no longer held (finished elsewhere, timed out) or the
+        socket it came over closed: the server has re-queued it then, and the handler's result
+        may still be accepted."""
+        job = running.job
+        try:
+            await link.request(
+                {"op": "extend", "queue": job.queue, "id": job.id, "seconds": max(1, math.ceil(job.lease_seconds))}
+            )
+        except (ApiError, LinkClosed) as exc:
+            log.info("stopped renewing the lease of %s %s: %s", job.queue, job.id, exc)
+            return
+        if running.link is link and self.running.get(job.id) is running:
+            self._renew_later(running)
 
     async def _release(self, link: Link, job: Job) -> None:
         try:
@@ -385,22 +450,27 @@ class _Run:
 
     # -- handing results in --------------------------------------------------------------------
 
-    async def _send_results(self, link: Link) -> None:
-        """Hand in every result not yet acknowledged, one frame at a time: results that finish
+    def _hand_in(self, link: Link) -> None:
+        """Hand in the results not yet acknowledged, one frame at a time: results that finish
         while a frame is out go together in the next one."""
-        while True:
-            if not self.outbox:
-                self.outbox_changed.clear()
-                await self.outbox_changed.wait()
-                continue
-            batch = self._next_batch()
-            try:
-                if len(batch) == 1:
-                    await self._hand_in_one(link, *batch[0])
-                else:
-                    await self._hand_in_many(link, batch)
-            except LinkClosed:
-                return  # kept in the outbox for the next socket
+        if self.handing_in is not None or not self.outbox:
+            return
+        task = self.handing_in = self._spawn(self._hand_in_batch(link, self._next_batch()))
+        task.add_done_callback(self._handed_in)
+
+    def _handed_in(self, task: asyncio.Task) -> None:
+        if self.handing_in is task:
+            self.handing_in = None
+            self._nudge()
+
+    async def _hand_in_batch(self, link: Link, batch: list[tuple[str, str, Any]]) -> None:
+        try:
+            if len(batch) == 1:
+                await self._hand_in_one(link, *batch[0])
+            else:
+                await self._hand_in_many(link, batch)
+        except LinkClosed:
+            pass  # kept in the outbox for the next socket
 
     def _next_batch(self) -> list[tuple[str, str, Any]]:
         batch, total = [], 0

@@ -27,6 +27,8 @@ QUEUES = {
     "retry": {},
     "slots": {},
     "batch": {},
+    "batched-claims": {},
+    "idle": {},
     "graceful": {},
     "outlast": {},
     "heartbeat": {"lease_seconds": 2},
@@ -225,6 +227,66 @@ def test_results_that_finish_together_go_in_one_results_frame(live, producer, mo
         assert [producer.result("batch", item["id"], timeout=20) for item in items] == list(range(10))
     handed_in = [frame for frame in frames if frame[0] in ("result", "results")]
     assert handed_in == [("results", 10)]
+
+
+def recording_claims(monkeypatch) -> list[tuple[int, int, int]]:
+    """Every claim the worker sends, once answered: (max, wait, how many items came)."""
+    claims = []
+    request = Link.request
+
+    async def recording(self, frame, **options):
+        answer = await request(self, frame, **options)
+        if frame["op"] == "claim":
+            claims.append((frame["max"], frame["wait"], len(answer["items"])))
+        return answer
+
+    monkeypatch.setattr(Link, "request", recording)
+    return claims
+
+
+def test_slots_that_free_up_together_are_claimed_together(live, producer, monkeypatch):
+    claims = recording_claims(monkeypatch)
+    frames = []
+    request = Link.request  # the recording one: handed-in results are counted on top
+
+    async def counting(self, frame, **options):
+        if frame["op"] in ("result", "results"):
+            frames.append(len(frame.get("items", [frame])))
+        return await request(self, frame, **options)
+
+    monkeypatch.setattr(Link, "request", counting)
+
+    async def handle(payload, job):
+        return payload
+
+    items = producer.post_many("batched-claims", range(50))
+    with working(Worker(live.url, live.token, queues=["batched-claims"], concurrency=10), handle):
+        assert [producer.result("batched-claims", item["id"], timeout=20) for item in items] == list(range(50))
+    # ten handlers that finish in one turn free ten slots: one claim for all ten, never a claim
+    # for one slot followed by one for nine
+    assert claims and all(slots == 10 for slots, _, _ in claims)
+    assert sum(came for _, _, came in claims) == 50
+    # each batch's results go in together (a frame may carry several batches, never part of one)
+    assert sum(frames) == 50 and all(count % 10 == 0 for count in frames)
+
+
+def test_an_idle_worker_s_waiting_claim_brings_each_item_without_empty_claims(live, producer, monkeypatch):
+    claims = recording_claims(monkeypatch)
+
+    async def handle(payload, job):
+        return payload * 2
+
+    with working(Worker(live.url, live.token, queues=["idle"], concurrency=4), handle):
+        first = producer.post("idle", 0)
+        assert producer.result("idle", first["id"], timeout=20) == 0
+        claims.clear()  # from here on the worker is warm: its socket has answered
+        for number in range(1, 6):
+            item = producer.post("idle", number)
+            assert producer.result("idle", item["id"], timeout=20) == number * 2
+    # one waiting claim per item, each answered by the post: no claim that came back empty (the
+    # claim still waiting when the worker stopped was never answered)
+    assert [came for _, _, came in claims] == [1] * 5
+    assert all(wait > 0 for _, wait, _ in claims)
 
 
 # ---- stopping ------------------------------------------------------------------------------------
