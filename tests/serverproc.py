@@ -3,6 +3,7 @@
 A `Deployment` is what the server processes of one installation share: a data directory, a
 database (a SQLite file under `root` unless `database_url` is given) and optionally a Redis URL.
 A `ServerProcess` is one `serve` of it on 127.0.0.1, on a port it picks itself (or one you give),
+with serve's default HTTP server (or the one you name: `deployment.server(server="daphne")`),
 with its output in a log file under `root`.
 
     deployment = Deployment(tmp_path)
@@ -130,16 +131,18 @@ class Deployment:
         """`createtoken NAME [options]`; the token it prints."""
         return self.manage("createtoken", name, *options).strip()
 
-    def server(self, *, port: int = 0) -> "ServerProcess":
-        return ServerProcess(self, port=port)
+    def server(self, *, port: int = 0, server: str | None = None) -> "ServerProcess":
+        return ServerProcess(self, port=port, server=server)
 
 
 class ServerProcess:
-    """One `manage.py serve` of a deployment. `start()` returns once /healthz answers 200."""
+    """One `manage.py serve` of a deployment, with `--server server` when given. `start()` returns
+    once /healthz answers 200."""
 
-    def __init__(self, deployment: Deployment, *, port: int = 0):
+    def __init__(self, deployment: Deployment, *, port: int = 0, server: str | None = None):
         self.deployment = deployment
         self.port = port  # 0 until the first start has picked one; then kept for restarts
+        self.server_option = ["--server", server] if server else []
         self.process: subprocess.Popen | None = None
         self.log_path: Path | None = None
         self.starts = 0
@@ -157,7 +160,8 @@ class ServerProcess:
         self.log_path = self.deployment.root / f"serve-{id(self)}-{self.starts}.log"
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(
-                [sys.executable, str(MANAGE), "serve", "--host", "127.0.0.1", "--port", str(self.port)],
+                [sys.executable, str(MANAGE), "serve", "--host", "127.0.0.1", "--port", str(self.port),
+                 *self.server_option],
                 cwd=PROJECT_DIR,
                 env=self.deployment.environ(),
                 stdout=log,

@@ -92,6 +92,7 @@ def test_bench_measures_a_server_given_by_url(tmp_path):
         ({"measures": ("posts", "speed")}, "--only"),
         ({"url": "http://127.0.0.1:9"}, "--token"),
         ({"url": "http://127.0.0.1:9", "token": "t", "measures": ("posts", "claim")}, "--only"),
+        ({"url": "http://127.0.0.1:9", "token": "t", "measures": ("posts",), "server": "daphne"}, "--server"),
     ],
 )
 def test_bench_refuses_settings_it_cannot_run_with(changes, complaint):
@@ -101,7 +102,11 @@ def test_bench_refuses_settings_it_cannot_run_with(changes, complaint):
 
 @pytest.mark.parametrize(
     "args, complaint",
-    [(["--pending-sizes", "10,lots"], "--pending-sizes"), (["--only", "speed"], "--only")],
+    [
+        (["--pending-sizes", "10,lots"], "--pending-sizes"),
+        (["--only", "speed"], "--only"),
+        (["--server", "nginx"], "--server"),
+    ],
 )
 def test_bench_command_answers_bad_options_with_a_clear_error(args, complaint):
     with pytest.raises(CommandError, match=complaint):

@@ -1,5 +1,9 @@
 """End to end: real `manage.py serve` processes, with workers and producers in processes of their
 own, on the default embedded settings (SQLite, in-memory channel layer) and on PostgreSQL + Redis.
+
+Every test runs on serve's default HTTP server; those marked ON_EVERY_SERVER (what a server choice
+could break: handshakes, frame limits, a dropped socket, a wake-up, printing and stopping) run on
+each server `serve --server` offers.
 """
 
 import json
@@ -13,12 +17,19 @@ from pathlib import Path
 
 import httpx
 import pytest
+from websockets.exceptions import ConnectionClosed, InvalidStatus
+from websockets.sync.client import connect
 
+from queues.serving import DEFAULT_SERVER, SERVERS
 from serverproc import Deployment, ServerProcess, postgres_database, redis_database
 
 REDIS_DB = 5  # this module's own Redis database
 WAKE_SECONDS = 1.0  # a dropped socket re-queues, and a post wakes a waiting claim, within this
 LOG_TIMEOUT = 15.0
+MAX_BODY_BYTES = 64 * 1024  # the sites' frame limit, small so that frames over it are cheap
+
+ON_EVERY_SERVER = pytest.mark.parametrize("server_name", list(SERVERS), indirect=True)
+ON_DEFAULT_SERVER = pytest.mark.parametrize("server_name", [DEFAULT_SERVER], indirect=True)  # shares its site
 
 # A worker that claims `count` items, says which, and then hangs on to them.
 HOLDER = """
@@ -144,6 +155,7 @@ def clients(directory: Path):
 class Site:
     deployment: Deployment
     server: ServerProcess
+    server_name: str
     token: str
 
     def api(self, server: ServerProcess | None = None) -> httpx.Client:
@@ -176,17 +188,67 @@ def variant(request) -> str:
 
 
 @pytest.fixture(scope="module")
-def site(variant, tmp_path_factory):
+def server_name(request) -> str:
+    """The HTTP server `serve --server` runs (ON_EVERY_SERVER or ON_DEFAULT_SERVER chooses)."""
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def site(variant, server_name, tmp_path_factory):
     with backing_services(variant) as (database_url, redis_url):
-        deployment = Deployment(tmp_path_factory.mktemp(variant), database_url=database_url, redis_url=redis_url)
+        deployment = Deployment(
+            tmp_path_factory.mktemp(f"{variant}-{server_name}"),
+            database_url=database_url,
+            redis_url=redis_url,
+            extra_env={"TASKHOSTER_MAX_BODY_BYTES": str(MAX_BODY_BYTES)},
+        )
         token = set_up(
             deployment,
-            {"held": ("--lease-seconds", "300"), "woken": (), "load": ("--lease-seconds", "2")},
+            {"held": ("--lease-seconds", "300"), "woken": (), "load": ("--lease-seconds", "2"), "idle": ()},
         )
-        with deployment.server() as server:
-            yield Site(deployment, server, token)
+        with deployment.server(server=server_name) as server:
+            yield Site(deployment, server, server_name, token)
 
 
+@ON_EVERY_SERVER
+def test_worker_handshakes_are_accepted_or_refused_by_the_socket_rules(site):
+    url, bearer = site.server.ws_url, {"Authorization": f"Bearer {site.token}"}
+    claim = json.dumps({"op": "claim", "queue": "idle", "ref": 1})
+    # a worker sends no Origin; a page of one of our own hosts may, with the token in the URL
+    for target, headers in [(url, bearer), (f"{url}?token={site.token}", {"Origin": "http://localhost:8000"})]:
+        with connect(target, additional_headers=headers) as socket:
+            socket.send(claim)
+            assert json.loads(socket.recv()) == {"op": "items", "ref": 1, "items": []}
+
+    with connect(url, additional_headers={"Authorization": "Bearer th_not-a-token"}) as socket:
+        with pytest.raises(ConnectionClosed) as closed:
+            socket.recv()
+    assert closed.value.rcvd.code == 4401
+
+    foreign_origin, unknown_path = {**bearer, "Origin": "https://elsewhere.example"}, url.replace("/work", "/elsewhere")
+    for target, headers in [(url, foreign_origin), (unknown_path, bearer)]:
+        with pytest.raises(InvalidStatus) as refused:
+            connect(target, additional_headers=headers)
+        assert refused.value.response.status_code == 403
+
+
+@ON_EVERY_SERVER
+def test_a_frame_over_the_limit_is_refused_and_one_far_over_it_closes_the_socket(site):
+    bearer = {"Authorization": f"Bearer {site.token}"}
+    with connect(site.server.ws_url, additional_headers=bearer, max_size=None) as socket:
+        socket.send(json.dumps({"op": "claim", "queue": "idle", "pad": "x" * MAX_BODY_BYTES}))
+        assert json.loads(socket.recv())["code"] == "payload_too_large"
+        socket.send(json.dumps({"op": "claim", "queue": "idle", "ref": 2}))  # still open
+        assert json.loads(socket.recv()) == {"op": "items", "ref": 2, "items": []}
+
+        socket.send("x" * (3 * MAX_BODY_BYTES))
+        with pytest.raises(ConnectionClosed) as closed:
+            socket.recv()
+    # closed rather than buffered: uvicorn says 1009 (message too big), daphne drops the connection
+    assert closed.value.rcvd is None or closed.value.rcvd.code == 1009
+
+
+@ON_EVERY_SERVER
 def test_items_of_a_killed_worker_are_pending_again_at_once(site, tmp_path):
     with site.api() as api, clients(tmp_path) as start:
         posted = [api.post("/api/queues/held/items", json={"payload": n}).json()["id"] for n in range(3)]
@@ -202,6 +264,7 @@ def test_items_of_a_killed_worker_are_pending_again_at_once(site, tmp_path):
         assert statuses == {"pending"}
 
 
+@ON_EVERY_SERVER
 def test_a_waiting_claim_is_woken_by_a_post_over_http(site, tmp_path):
     with site.api() as api, clients(tmp_path) as start:
         waiter = start("waiter", WAITER, site.server.ws_url, site.token, "woken")
@@ -220,7 +283,7 @@ def test_two_servers_wake_each_other_and_hand_each_item_out_once(variant, tmp_pa
         token = set_up(deployment, {"shared": ()})
         first = stack.enter_context(deployment.server())
         second = stack.enter_context(deployment.server())
-        site = Site(deployment, first, token)
+        site = Site(deployment, first, DEFAULT_SERVER, token)
         start = stack.enter_context(clients(tmp_path))
         api_first, api_second = stack.enter_context(site.api(first)), stack.enter_context(site.api(second))
 
@@ -248,6 +311,7 @@ def test_two_servers_wake_each_other_and_hand_each_item_out_once(variant, tmp_pa
             assert counts == {"pending": 0, "processing": 0, "finished": len(posted), "failed": 0}
 
 
+@ON_DEFAULT_SERVER
 def test_nothing_acknowledged_is_lost_when_the_server_is_killed_under_load(site, tmp_path):
     server = site.server
     with clients(tmp_path) as start:
@@ -283,12 +347,15 @@ def test_nothing_acknowledged_is_lost_when_the_server_is_killed_under_load(site,
                     assert (item["status"], item["result"]) == ("finished", record["result"])
 
 
+@ON_EVERY_SERVER
 @pytest.mark.parametrize("stop_signal", [signal.SIGINT, signal.SIGTERM])
-def test_serve_prints_where_it_serves_and_stops_cleanly(site, stop_signal):
-    server = site.deployment.server()
-    with server:
+def test_serve_prints_where_it_serves_and_stops_cleanly(site, stop_signal, tmp_path):
+    server = site.deployment.server(server=site.server_name)
+    with server, clients(tmp_path) as start:
         output = server.output()
         for url in ("http://127.0.0.1:{}/", "/admin/", "/api/", "ws://127.0.0.1:{}/work"):
             assert url.format(server.port, server.port) in output
         assert "manage.py createtoken" in output
+        start("waiter", WAITER, server.ws_url, site.token, "idle").wait_for("waiting")  # open sockets do not hold it up
         assert server.stop(stop_signal) == 0
+        assert server.output().rstrip().endswith("Stopped.")

@@ -58,6 +58,7 @@ class BenchSettings:
     url: str | None = None
     token: str | None = None
     profile_dir: Path | None = None
+    server: str | None = None  # serve's --server for our own servers; None: serve's default
 
     @property
     def biggest(self) -> int:
@@ -73,6 +74,8 @@ class BenchSettings:
             described["url"] = self.url
             return described
         described["fsync"] = [_label(fsync) for fsync in self.fsync]
+        if self.server:
+            described["server"] = self.server
         if _disk_heavy(self):
             described["pendingSizes"] = list(self.pending_sizes)
         return described
@@ -105,6 +108,8 @@ def check(settings: BenchSettings) -> None:
             raise BadSettings(f"with --url only {', '.join(API_MEASURES)} can be measured (pass --only)")
         if settings.profile_dir:
             raise BadSettings("--profile samples the bench's own servers; it cannot be used with --url")
+        if settings.server:
+            raise BadSettings("--server chooses the bench's own servers; it cannot be used with --url")
     if settings.profile_dir:
         try:
             find_py_spy()
@@ -178,7 +183,7 @@ def _own_api_figures(settings: BenchSettings, root: Path, fsync: bool, say: Say)
     say(f"{label}: preparing an installation in {root}")
     deployment = Deployment(root)
     deployment.prepare(queues=[settings.post_queue, settings.work_queue])
-    with deployment.server(fsync=fsync) as server:
+    with deployment.server(fsync=fsync, server=settings.server) as server:
         say(f"{label}: serve pid {server.pid} at {server.url}")
         return _api_figures(settings, server.url, deployment.token, server, label, say)
 
@@ -245,7 +250,7 @@ def _big_queue_figures(settings: BenchSettings, root: Path, say: Say) -> dict[bo
     try:
         for fsync in settings.fsync:
             label = f"fsync {_label(fsync)}"
-            with deployment.server(fsync=fsync) as server:
+            with deployment.server(fsync=fsync, server=settings.server) as server:
                 say(f"{label}: serve pid {server.pid}: {settings.server_claims} claims on {size:,} pending items")
                 with _profiler(settings, server, label)("big-queue"):
                     claims = load.http_claims_ms(server.url, deployment.token, BIG_QUEUE, claims=settings.server_claims)

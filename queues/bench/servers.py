@@ -3,7 +3,7 @@ database, and `manage.py serve` processes over it on a free port of 127.0.0.1.
 
     deployment = Deployment(root)
     deployment.prepare(queues=["work"])          # migrate, create the queues, make a token
-    with deployment.server(fsync=True) as server:
+    with deployment.server(fsync=True, server="uvicorn") as server:   # server: None for serve's default
         ... server.url, server.pid, server.peak_memory_mb() ...
 """
 
@@ -67,16 +67,18 @@ class Deployment:
             self.manage("createqueue", name)
         self.token = self.manage("createtoken", "bench").strip()
 
-    def server(self, *, fsync: bool) -> "ServerProcess":
-        return ServerProcess(self, fsync=fsync)
+    def server(self, *, fsync: bool, server: str | None = None) -> "ServerProcess":
+        return ServerProcess(self, fsync=fsync, server=server)
 
 
 class ServerProcess:
-    """One `manage.py serve` of a deployment; `start()` returns once /healthz answers 200."""
+    """One `manage.py serve` of a deployment (with `--server server` when given); `start()`
+    returns once /healthz answers 200."""
 
-    def __init__(self, deployment: Deployment, *, fsync: bool):
+    def __init__(self, deployment: Deployment, *, fsync: bool, server: str | None = None):
         self.deployment = deployment
         self.fsync = fsync
+        self.server_option = ["--server", server] if server else []
         self.process: subprocess.Popen | None = None
         self.port = 0
         self.log_path = deployment.root / f"serve-fsync-{'on' if fsync else 'off'}.log"
@@ -92,7 +94,7 @@ class ServerProcess:
     def start(self) -> "ServerProcess":
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
-                [sys.executable, str(MANAGE), "serve", "--host", "127.0.0.1", "--port", "0"],
+                [sys.executable, str(MANAGE), "serve", "--host", "127.0.0.1", "--port", "0", *self.server_option],
                 cwd=PROJECT_DIR, env=self.deployment.environ(fsync=self.fsync), stdout=log, stderr=subprocess.STDOUT,
             )
         deadline = time.monotonic() + START_TIMEOUT

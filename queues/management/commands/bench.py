@@ -4,6 +4,7 @@ from pathlib import Path
 from django.core.management.base import BaseCommand, CommandError
 
 from queues.bench.harness import MEASURES, QUICK, BadSettings, BenchSettings, check, run, settings_from
+from queues.serving import SERVERS
 
 FULL = BenchSettings()
 FSYNC_MODES = {"on": (True,), "off": (False,), "both": (True, False)}
@@ -43,6 +44,8 @@ class Command(BaseCommand):
                             help=f"how long each kind of post runs (default {FULL.post_seconds:g})")
         parser.add_argument("--server-claims", type=int,
                             help=f"claims served on the biggest queue (default {FULL.server_claims})")
+        parser.add_argument("--server", choices=SERVERS,
+                            help="serve's --server for the bench's own servers (default: serve's default)")
         parser.add_argument("--url", help="measure this server instead of starting our own (API measures only)")
         parser.add_argument("--token", help="with --url: a token that may produce and work")
         parser.add_argument("--post-queue", help=f"with --url: the queue posts go to (default {FULL.post_queue})")
