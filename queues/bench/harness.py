@@ -20,7 +20,7 @@ from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from taskhoster import Producer
+from .lean_client import LeanProducer
 
 from ..store import MAX_BATCH, Store
 from . import load, store_costs
@@ -193,7 +193,7 @@ def _api_figures(
 ) -> dict:
     figures: dict = {}
     profile = _profiler(settings, server, label)
-    with Producer(url, token, timeout=120) as producer, ExitStack() as stack:
+    with LeanProducer(url, token, timeout=120) as producer, ExitStack() as stack:
         if "posts" in settings.measures:
             say(f"{label}: single posts, then {settings.batch}-item batches, {settings.post_seconds:g} s each")
             with profile("posts-single"):

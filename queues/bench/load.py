@@ -1,19 +1,19 @@
-"""The measurements made against a running server, through its API and our client. Each takes a
-Producer (one keep-alive HTTP connection) and returns plain numbers."""
+"""The measurements made against a running server, through its API. Each takes a LeanProducer
+(one keep-alive HTTP connection) and returns plain numbers."""
 
 import statistics
 import time
 
 import httpx
 
-from taskhoster import Producer
+from .lean_client import LeanProducer
 
 PAYLOAD = {"text": "x" * 100}  # a small job description, about 110 bytes as JSON
 POLL_SECONDS = 0.01
 RESULT_TIMEOUT = 30.0
 
 
-def single_posts_per_second(producer: Producer, queue: str, *, seconds: float) -> float:
+def single_posts_per_second(producer: LeanProducer, queue: str, *, seconds: float) -> float:
     """One item per request, back to back for `seconds`."""
 
     def post_one() -> int:
@@ -23,7 +23,7 @@ def single_posts_per_second(producer: Producer, queue: str, *, seconds: float) -
     return _rate(post_one, seconds)
 
 
-def batch_items_per_second(producer: Producer, queue: str, *, seconds: float, batch: int) -> float:
+def batch_items_per_second(producer: LeanProducer, queue: str, *, seconds: float, batch: int) -> float:
     """Items per second, `batch` items per request, back to back for `seconds`."""
     payloads = [PAYLOAD] * batch
     return _rate(lambda: len(producer.post_many(queue, payloads)), seconds)
@@ -38,7 +38,7 @@ def _rate(post, seconds: float) -> float:
     return count / elapsed
 
 
-def end_to_end_items_per_second(producer: Producer, queue: str, *, items: int, batch: int) -> float:
+def end_to_end_items_per_second(producer: LeanProducer, queue: str, *, items: int, batch: int) -> float:
     """Post `items` in batches while the workers work them; from the first post until the
     producer sees the last result. The queue must be idle at the start."""
     ended_before = _ended(producer.stats(queue))
@@ -63,7 +63,7 @@ def _ended(stats: dict) -> int:
     return stats["counts"]["finished"] + stats["counts"]["failed"]
 
 
-def round_trip_ms(producer: Producer, queue: str, *, count: int) -> dict[str, float]:
+def round_trip_ms(producer: LeanProducer, queue: str, *, count: int) -> dict[str, float]:
     """`count` items one at a time, each from its post to its result seen through GET ?wait;
     the 50th, 95th and 99th percentiles in milliseconds."""
     took = []

@@ -8,7 +8,7 @@ import sys
 import threading
 import time
 
-from taskhoster import Producer
+from .lean_client import LeanProducer
 
 from .servers import PROJECT_DIR
 from .worker import WARM_LINE, WARM_UP
@@ -32,7 +32,7 @@ class WorkerPool:
         for process, warm in zip(self.processes, self._warm):
             threading.Thread(target=_watch, args=(process, warm), daemon=True).start()
 
-    def warm_up(self, producer: Producer) -> int:
+    def warm_up(self, producer: LeanProducer) -> int:
         """Post warm-up items one at a time, each waited for, until every worker has worked one
         (a waiting claim is woken oldest first, so they take turns). How many it took."""
         deadline = time.monotonic() + WARM_UP_TIMEOUT
