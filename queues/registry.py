@@ -16,6 +16,7 @@ from .models import ApiToken, Queue, hash_token
 from .store import QueueConfig
 
 MAX_AGE_SECONDS = 1.0
+MISS_RELOAD_SECONDS = 0.1
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +129,32 @@ class Registry:
         if grant is not None:
             self._used.add(grant.id)
         return grant
+
+    async def afind_token(self, raw: str | None) -> TokenGrant | None:
+        """The token's grant; an unknown token triggers one reload at once (it may be brand new)."""
+        await self.arefresh()
+        grant = self.authenticate(raw)
+        if grant is None and raw and await self._areload_after_miss():
+            grant = self.authenticate(raw)
+        return grant
+
+    async def afind_queue(self, name: str) -> QueueConfig | None:
+        """The queue's settings; an unknown name triggers one reload at once (it may be brand new)."""
+        await self.arefresh()
+        config = self.queue(name)
+        if config is None and await self._areload_after_miss():
+            config = self.queue(name)
+        return config
+
+    async def _areload_after_miss(self) -> bool:
+        """A token or queue made a moment ago should work at once, not up to a second later.
+        At most one such reload per MISS_RELOAD_SECONDS, so unknown names cannot flood the
+        database. True if it reloaded."""
+        if time.monotonic() - self._loaded_at < MISS_RELOAD_SECONDS:
+            return False
+        self.invalidate()
+        await self.arefresh()
+        return True
 
     def invalidate(self) -> None:
         """Forget what is cached (tests, and this process's own admin changes)."""

@@ -25,9 +25,7 @@ def bearer_token(request: Request) -> str | None:
 
 
 async def authenticate(request: Request) -> TokenGrant:
-    registry = get_registry()
-    await registry.arefresh()
-    grant = registry.authenticate(bearer_token(request))
+    grant = await get_registry().afind_token(bearer_token(request))
     if grant is None:
         raise Unauthorized("give a valid API token as 'Authorization: Bearer <token>'")
     return grant
@@ -38,7 +36,7 @@ async def authorize(request: Request, queue: str, *rights: str) -> QueueConfig:
     grant = await authenticate(request)
     if not any(grant.may(right, queue) for right in rights):
         raise Forbidden(f"this token may not {' or '.join(rights)} on this queue")
-    config = get_registry().queue(queue)
+    config = await get_registry().afind_queue(queue)
     if config is None:
         raise UnknownQueue(f"no queue named {queue[:80]!r}")
     return config

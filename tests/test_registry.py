@@ -1,0 +1,45 @@
+"""The registry: cached queues and tokens that still see a brand-new one at once."""
+
+import time
+
+import pytest
+from asgiref.sync import sync_to_async
+
+from queues import registry as registry_module
+from queues.models import ApiToken
+from queues.registry import Registry
+from queues.services import save_queue
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def make_token(name: str) -> str:
+    token = ApiToken(name=name)
+    raw = token.set_new_value()
+    token.save()
+    return raw
+
+
+async def test_a_token_and_a_queue_made_after_the_last_load_work_at_once():
+    registry = Registry()
+    await registry.arefresh()
+    time.sleep(registry_module.MISS_RELOAD_SECONDS)
+    raw = await sync_to_async(make_token)("new")
+    await sync_to_async(save_queue)("fresh")
+    assert not registry.stale  # the cache alone would not know them for up to a second
+    grant = await registry.afind_token(raw)
+    assert grant is not None and grant.name == "new"
+    assert (await registry.afind_queue("fresh")).name == "fresh"
+
+
+async def test_unknown_names_reload_at_most_once_per_interval(monkeypatch):
+    registry = Registry()
+    await registry.arefresh()
+    loads = []
+    real_load = registry.load
+    monkeypatch.setattr(registry, "load", lambda: (loads.append(1), real_load()))
+    time.sleep(registry_module.MISS_RELOAD_SECONDS)
+    for _ in range(20):
+        assert await registry.afind_token("th_unknown") is None
+        assert await registry.afind_queue("nope") is None
+    assert len(loads) == 1
