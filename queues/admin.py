@@ -1,3 +1,6 @@
+import json
+
+from django import forms
 from django.contrib import admin, messages
 from django.urls import reverse
 from django.utils.html import format_html
@@ -115,8 +118,35 @@ class _CountsPerPage:
         return oldest
 
 
+class QueueNamesField(forms.CharField):
+    """Queue names typed as `thumbs, emails`; stored as a list (empty: every queue)."""
+
+    def prepare_value(self, value):
+        if isinstance(value, str):  # the JSON text the model field renders, or what was typed
+            try:
+                value = json.loads(value)
+            except ValueError:
+                return value
+        return ", ".join(value) if isinstance(value, list) else value
+
+    def to_python(self, value):
+        return [name.strip() for name in (value or "").split(",") if name.strip()]
+
+
+class ApiTokenForm(forms.ModelForm):
+    queues = QueueNamesField(
+        required=False,
+        help_text="Queue names this token may use, separated by commas; leave empty for every queue.",
+    )
+
+    class Meta:
+        model = ApiToken
+        fields = ("name", "can_produce", "can_work", "queues")
+
+
 @admin.register(ApiToken)
 class ApiTokenAdmin(admin.ModelAdmin):
+    form = ApiTokenForm
     list_display = ("name", "can_produce", "can_work", "queue_list", "created_at", "last_used_at")
     readonly_fields = ("created_at", "last_used_at")
     fields = ("name", "can_produce", "can_work", "queues", "created_at", "last_used_at")

@@ -73,7 +73,7 @@ def test_createtoken_refuses_an_empty_name_and_saves_nothing():
 def test_the_admin_shows_a_new_tokens_value_once_and_keeps_only_its_hash(admin_client):
     answer = admin_client.post(
         reverse("admin:queues_apitoken_add"),
-        {"name": "ci", "can_produce": "on", "queues": '["jobs"]'},
+        {"name": "ci", "can_produce": "on", "queues": "jobs, thumbs"},
         follow=True,
     )
 
@@ -81,13 +81,14 @@ def test_the_admin_shows_a_new_tokens_value_once_and_keeps_only_its_hash(admin_c
     assert len(shown) == 1
     token = ApiToken.objects.get()
     assert token.token_hash == hash_token(shown[0])
-    assert (token.can_produce, token.can_work, token.queues) == (True, False, ["jobs"])
+    assert (token.can_produce, token.can_work, token.queues) == (True, False, ["jobs", "thumbs"])
     later = admin_client.get(reverse("admin:queues_apitoken_change", args=[token.id])).content.decode()
+    assert 'value="jobs, thumbs"' in later  # the list is edited as names, not as JSON
     assert shown[0] not in later and not TOKEN.search(later)
 
 
 def test_the_admin_refuses_a_bad_queue_name(admin_client):
-    form = {"name": "ci", "can_work": "on", "queues": '["Bad/Name"]'}
+    form = {"name": "ci", "can_work": "on", "queues": "jobs, Bad/Name"}
 
     answer = admin_client.post(reverse("admin:queues_apitoken_add"), form)
 
