@@ -7,7 +7,9 @@ item can be read from the file name alone, and sorting names sorts items by post
 import os
 import re
 import threading
-from datetime import datetime, timezone
+import time
+from datetime import datetime
+from functools import lru_cache
 
 ID_PATTERN = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-7[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}")
 _COUNTER_MAX = 0xFFF
@@ -67,8 +69,17 @@ def iso(timestamp: float | None) -> str | None:
     """UTC ISO-8601 with milliseconds and `Z`, as every timestamp in the API."""
     if timestamp is None:
         return None
-    moment = datetime.fromtimestamp(round(timestamp, 3), tz=timezone.utc)
-    return moment.strftime("%Y-%m-%dT%H:%M:%S.") + f"{moment.microsecond // 1000:03d}Z"
+    # round to the millisecond first, as datetime would: .9996 s shows as the next second
+    seconds, millis = divmod(round(round(timestamp, 3) * 1000), 1000)
+    return f"{_second_text(seconds)}.{millis:03d}Z"
+
+
+@lru_cache(maxsize=4096)
+def _second_text(seconds: int) -> str:
+    """`2026-11-30T14:23:53`: a handful of seconds cover most of what one process formats, so
+    remembering them saves building a datetime per timestamp."""
+    t = time.gmtime(seconds)
+    return f"{t.tm_year:04d}-{t.tm_mon:02d}-{t.tm_mday:02d}T{t.tm_hour:02d}:{t.tm_min:02d}:{t.tm_sec:02d}"
 
 
 def parse_iso(text: str | None) -> float | None:

@@ -19,7 +19,8 @@ What the file system itself records, so that the sweep never has to read a file 
 
 Nothing scales with the queue on the hot path: a claim pops from an in-memory view of the oldest
 pending ids (`_PendingIndex`), and a sweep pass lists each state directory once and checks the
-names in bulk, reading only the files it will change.
+names in bulk, reading only the files it will change (and stat-ing only the done files of items
+posted long enough ago to be due). A batch of results syncs done/ once for the batch.
 """
 
 import errno
@@ -48,15 +49,18 @@ from .exceptions import (
     NotHeld,
     PayloadTooLarge,
     StorageUnavailable,
+    TaskhosterError,
     UnknownQueue,
     UnsafePath,
 )
 
 QUEUE_NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,63}")
 STATE_DIRS = ("tmp", "pending", "processing", "done", "quarantine", "stats")
+_STATES = frozenset(STATE_DIRS)
 RETAIN_FROM = ("finished", "fetched")
 MAX_BATCH = 1000
 STALE_TMP_SECONDS = 3600
+ID_CLOCK_MARGIN_SECONDS = 60  # how far an id's time may run ahead of the clock that ends the item
 
 _UNFETCHED_MODE = 0o600
 _FETCHED_MODE = 0o640  # the group-read bit marks a done item as fetched
@@ -153,12 +157,18 @@ class SweepChanges:
     tmp_removed: int
 
 
+# made once: json.dumps with any option builds a new encoder per call
+_to_json = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
+# allow_nan=False: NaN and Infinity are not JSON, and no client could read them back
+_to_strict_json = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode
+
+
 def _encode(item: Item) -> bytes:
     record = item.to_json(payload=True)
     record["result"] = item.result
     record["error"] = item.error
     record["claimToken"] = item.claim_token
-    return json.dumps(record, separators=(",", ":"), ensure_ascii=False).encode()
+    return _to_json(record).encode()
 
 
 def _decode(raw: bytes, *, state: str) -> Item:
@@ -202,7 +212,7 @@ class _ItemLocks:
         self._threads = [threading.Lock() for _ in range(_LOCK_STRIPES)]
 
     @classmethod
-    def for_file(cls, path: Path) -> "_ItemLocks":
+    def for_file(cls, path: str) -> "_ItemLocks":
         with cls._open_lock:
             try:
                 info = os.stat(path)
@@ -220,7 +230,7 @@ class _ItemLocks:
 
     @contextmanager
     def hold(self, item_id: str) -> Iterator[None]:
-        stripe = int(item_id[-2:], 16) % _LOCK_STRIPES  # the same in every process, unlike hash()
+        stripe = _stripe(item_id)
         with self._threads[stripe]:
             _lock_byte(self._fd, stripe)
             try:
@@ -228,16 +238,41 @@ class _ItemLocks:
             finally:
                 fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, stripe)
 
+    @contextmanager
+    def hold_all(self, item_ids: Iterable[str]) -> Iterator[None]:
+        """Hold many items' locks at once. Stripes are taken in ascending order, and every other
+        holder holds one stripe or takes them in the same order, so no two wait for each other."""
+        held: list[int] = []
+        try:
+            for stripe in sorted({_stripe(item_id) for item_id in item_ids}):
+                self._threads[stripe].acquire()
+                try:
+                    _lock_byte(self._fd, stripe)
+                except BaseException:
+                    self._threads[stripe].release()
+                    raise
+                held.append(stripe)
+            yield
+        finally:
+            for stripe in reversed(held):
+                fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, stripe)
+                self._threads[stripe].release()
+
     def close(self) -> None:
         with self._open_lock:
             if self._open.pop(self._key, None) is self:
                 os.close(self._fd)
 
 
+def _stripe(item_id: str) -> int:
+    return int(item_id[-2:], 16) % _LOCK_STRIPES  # the same in every process, unlike hash()
+
+
 def _lock_byte(fd: int, offset: int) -> None:
     """Wait for the record lock on one byte. The kernel's deadlock check counts record locks per
     process, so threads of two processes each holding one stripe and waiting for the other's are
-    refused with EDEADLK; no thread here holds two stripes, so it is no deadlock: try again."""
+    refused with EDEADLK; threads take stripes one at a time or in ascending order (`hold_all`),
+    so it is no deadlock: try again."""
     while True:
         try:
             fcntl.lockf(fd, fcntl.LOCK_EX, 1, offset)
@@ -259,7 +294,7 @@ class _PendingIndex:
     listing it, so a stale id costs one failed rename.
     """
 
-    def __init__(self, directory: Path, *, capacity: int):
+    def __init__(self, directory: str, *, capacity: int):
         self._directory = directory
         self._capacity = capacity
         self._lock = threading.Lock()  # guards every field below
@@ -382,6 +417,7 @@ class Store:
         index_capacity: int = INDEX_CAPACITY,
     ):
         self.data_dir = Path(data_dir)
+        self._root = os.fspath(self.data_dir)
         self.fsync = fsync
         self.max_payload_bytes = max_payload_bytes
         self.clock = clock
@@ -390,25 +426,31 @@ class Store:
         self._locks: dict[str, _ItemLocks] = {}
         self._indexes: dict[str, _PendingIndex] = {}
         self._done_status: dict[str, dict[str, str]] = {}  # queue -> id -> finished|failed
-        self._ready: set[str] = set()  # queues whose directories exist
+        self._ready: dict[str, str] = {}  # queues whose directories exist -> their directory
         self._setup_lock = threading.Lock()
 
     # ---- paths: the only place a path is built -------------------------------------------
+    # Plain strings, not pathlib objects: building a Path costs several times more, and a
+    # transition builds a handful of paths.
 
-    def _queue_dir(self, queue: str) -> Path:
-        if not is_valid_queue_name(queue):
-            raise UnsafePath(f"bad queue name {queue!r}")
-        return self.data_dir / queue
+    def _queue_dir(self, queue: str) -> str:
+        # a queue made by ensure_queue has a checked name: skip the pattern
+        directory = self._ready.get(queue) if isinstance(queue, str) else None
+        if directory is None:
+            if not is_valid_queue_name(queue):
+                raise UnsafePath(f"bad queue name {queue!r}")
+            directory = f"{self._root}/{queue}"
+        return directory
 
-    def _path(self, queue: str, state: str, item_id: str) -> Path:
-        if state not in STATE_DIRS or not ids.is_valid_id(item_id):
+    def _path(self, queue: str, state: str, item_id: str) -> str:
+        if state not in _STATES or not ids.is_valid_id(item_id):
             raise UnsafePath(f"bad state or id {state!r} {item_id!r}")
-        return self._queue_dir(queue) / state / f"{item_id}.json"
+        return f"{self._queue_dir(queue)}/{state}/{item_id}.json"
 
-    def _dir(self, queue: str, state: str) -> Path:
-        if state not in STATE_DIRS:
+    def _dir(self, queue: str, state: str) -> str:
+        if state not in _STATES:
             raise UnsafePath(f"bad state {state!r}")
-        return self._queue_dir(queue) / state
+        return f"{self._queue_dir(queue)}/{state}"
 
     # ---- queues --------------------------------------------------------------------------
 
@@ -423,18 +465,18 @@ class Store:
             return
         with self._storage_errors():
             for state in STATE_DIRS:
-                self._dir(queue, state).mkdir(parents=True, exist_ok=True)
+                os.makedirs(self._dir(queue, state), exist_ok=True)
             # the new directories' own entries must survive a power cut too, or the items in them
             # would not, fsync'd as they are
             self._sync_dir(self._queue_dir(queue))
-            self._sync_dir(self.data_dir)
-        self._ready.add(queue)
+            self._sync_dir(self._root)
+        self._ready[queue] = self._queue_dir(queue)
 
     def check_writable(self) -> bool:
         """True when a file can be written and removed in the data directory (for /healthz)."""
-        probe = self.data_dir / f".healthz-{secrets.token_hex(6)}"
+        probe = f"{self._root}/.healthz-{secrets.token_hex(6)}"
         try:
-            self.data_dir.mkdir(parents=True, exist_ok=True)
+            os.makedirs(self._root, exist_ok=True)
             fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             os.close(fd)
             os.unlink(probe)
@@ -449,20 +491,23 @@ class Store:
             locks = self._locks.pop(queue, None)
             self._indexes.pop(queue, None)
             self._done_status.pop(queue, None)
-            self._ready.discard(queue)
+            self._ready.pop(queue, None)
         if locks:
             locks.close()
         shutil.rmtree(directory, ignore_errors=True)
 
     def _item_lock(self, queue: str, item_id: str):
+        return self._queue_locks(queue).hold(item_id)
+
+    def _queue_locks(self, queue: str) -> _ItemLocks:
         locks = self._locks.get(queue)
         if locks is None:
             with self._setup_lock:
                 locks = self._locks.get(queue)
                 if locks is None:
                     self.ensure_queue(queue)
-                    locks = self._locks[queue] = _ItemLocks.for_file(self._queue_dir(queue) / ".lock")
-        return locks.hold(item_id)
+                    locks = self._locks[queue] = _ItemLocks.for_file(f"{self._queue_dir(queue)}/.lock")
+        return locks
 
     def _index(self, queue: str) -> _PendingIndex:
         index = self._indexes.get(queue)
@@ -484,9 +529,9 @@ class Store:
                 raise
             raise StorageUnavailable(f"the data directory cannot be written: {exc.strerror}") from exc
 
-    def _write_tmp(self, queue: str, item: Item, *, mode: int = 0o600, mtime: float | None = None) -> Path:
+    def _write_tmp(self, queue: str, item: Item, *, mode: int = 0o600, mtime: float | None = None) -> str:
         """Write `item` to a fresh file in tmp/ (flushed to disk when fsync is on)."""
-        tmp = self._dir(queue, "tmp") / f"{item.id}.{secrets.token_hex(6)}.json"
+        tmp = f"{self._dir(queue, 'tmp')}/{item.id}.{secrets.token_hex(6)}.json"
         data = _encode(item)
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
@@ -503,7 +548,7 @@ class Store:
             raise
         return tmp
 
-    def _sync_dir(self, directory: Path) -> None:
+    def _sync_dir(self, directory: str) -> None:
         if self.fsync:
             fd = os.open(directory, os.O_RDONLY)
             try:
@@ -549,8 +594,7 @@ class Store:
 
     def _check_size(self, value: Any, what: str) -> None:
         try:
-            # allow_nan=False: NaN and Infinity are not JSON, and no client could read them back
-            size = len(json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode())
+            size = len(_to_strict_json(value).encode())
         except (TypeError, ValueError) as exc:
             raise InvalidRequest(f"the {what} is not a JSON value") from exc
         if size > self.max_payload_bytes:
@@ -576,8 +620,8 @@ class Store:
         self.ensure_queue(queue)
         new_ids = self._ids.new_ids(len(payloads), self.clock())
         items = [Item(id=i, queue=queue, status="pending", payload=p) for i, p in zip(new_ids, payloads)]
-        written: list[Path] = []
-        moved: list[Path] = []
+        written: list[str] = []
+        moved: list[str] = []
         try:
             with self._storage_errors():
                 for item in items:
@@ -616,7 +660,7 @@ class Store:
             if not ids.is_valid_id(item_id):
                 continue
             with self._item_lock(queue, item_id), self._storage_errors():
-                if self._path(queue, "done", item_id).exists():
+                if os.path.exists(self._path(queue, "done", item_id)):
                     continue  # a copy a crash left behind: done wins, and the sweep removes it
                 try:
                     self._move(queue, item_id, "pending", "processing")
@@ -643,43 +687,135 @@ class Store:
     def finish_item(self, *, config: QueueConfig, item_id: str, result: Any) -> FinishOutcome:
         """Hand in a result. The first result for an item that is not terminal wins (G3, G4);
         an item past its queue timeout is failed instead (G6)."""
+        (outcome,) = self.finish_items(config=config, results=[(item_id, result)])
+        if isinstance(outcome, TaskhosterError):
+            raise outcome
+        return outcome
+
+    def finish_items(
+        self, *, config: QueueConfig, results: list[tuple[str, Any]]
+    ) -> list[FinishOutcome | TaskhosterError]:
+        """Hand in many (id, result) pairs of one queue, each as `finish_item` would, with one
+        sync of done/ for the lot instead of one per item. Each pair's own trouble (an unknown
+        id, a result too large) is its outcome, in order.
+
+        Each done file is written and flushed under its item's lock alone; then the batch takes
+        all its items' locks, links the files into done/ and syncs done/ once, so nobody sees an
+        item done before it would survive a power cut, and claims wait only for that last step."""
         queue = config.name
-        self._valid_id(queue, item_id)
-        self._check_size(result, "result")
-        with self._item_lock(queue, item_id), self._storage_errors():
-            state, item = self._find(queue, item_id)
-            if state == "done":
-                return FinishOutcome(item_id, False, item.status)
-            now = self.clock()
-            if now - item.posted_at > config.queue_seconds:
-                self._fail_timed_out(queue, state, item, now)
-                return FinishOutcome(item_id, False, "failed")
-            finished = replace(
+        outcomes: list[FinishOutcome | TaskhosterError | None] = [None] * len(results)
+        prepared: list[tuple[int, _Prepared]] = []
+        try:
+            for position, (item_id, result) in enumerate(results):
+                try:
+                    self._valid_id(queue, item_id)
+                    self._check_size(result, "result")
+                    with self._item_lock(queue, item_id), self._storage_errors():
+                        ready = self._prepare_done(config, item_id, result)
+                except TaskhosterError as error:
+                    outcomes[position] = error
+                    continue
+                if isinstance(ready, FinishOutcome):
+                    outcomes[position] = ready
+                else:
+                    prepared.append((position, ready))
+            if prepared:
+                self._commit_all_done(config, results, prepared, outcomes)
+        except BaseException:
+            for _, ready in prepared:
+                _unlink_quietly(ready.tmp)
+            raise
+        return outcomes
+
+    def _prepare_done(self, config: QueueConfig, item_id: str, result: Any) -> "FinishOutcome | _Prepared":
+        """The outcome if the item is done already; else its done file written to tmp/ (and
+        flushed), with what to check before linking it. Call under the item's lock."""
+        queue = config.name
+        state, item = self._find(queue, item_id)
+        if state == "done":
+            return FinishOutcome(item_id, False, item.status)
+        source = self._path(queue, state, item_id)
+        identity = _identity(source)
+        now = self.clock()
+        if now - item.posted_at > config.queue_seconds:
+            done, outcome = _timed_out(item, now), FinishOutcome(item_id, False, "failed")
+        else:
+            done = replace(
                 item, status="finished", lease_expires_at=None, finished_at=now, result=result, claim_token=None
             )
-            accepted = self._put_done(queue, state, finished)
-            return FinishOutcome(item_id, accepted, "finished" if accepted else self._done_status_of(queue, item_id))
+            outcome = FinishOutcome(item_id, True, "finished")
+        tmp = self._write_tmp(queue, done, mode=_UNFETCHED_MODE, mtime=done.finished_at)
+        return _Prepared(done, tmp, source, identity, outcome)
+
+    def _commit_all_done(
+        self, config: QueueConfig, results: list, prepared: list[tuple[int, "_Prepared"]], outcomes: list
+    ) -> None:
+        queue = config.name
+        sources = []  # files to remove once their items' done files are on disk
+        with self._queue_locks(queue).hold_all(ready.item.id for _, ready in prepared):
+            for position, ready in prepared:
+                try:
+                    with self._storage_errors():
+                        outcomes[position], source = self._commit_done(config, ready, results[position][1])
+                except TaskhosterError as error:
+                    outcomes[position] = error
+                    continue
+                if source is not None:
+                    sources.append(source)
+            if sources:
+                with self._storage_errors():
+                    self._sync_dir(self._dir(queue, "done"))
+            for path in sources:
+                _unlink_quietly(path)
+
+    def _commit_done(self, config: QueueConfig, ready: "_Prepared", result: Any) -> tuple[FinishOutcome, str | None]:
+        """Link a prepared done file into done/ (unsynced) if its item is still as it was read;
+        else settle the item afresh. Call under the item's lock."""
+        try:
+            if _identity(ready.source) != ready.identity:
+                raise FileNotFoundError(ready.source)
+        except FileNotFoundError:  # claimed, re-queued or finished meanwhile
+            _unlink_quietly(ready.tmp)
+            return self._settle(config, ready.item.id, result)
+        return self._link_prepared(config.name, ready)
+
+    def _settle(self, config: QueueConfig, item_id: str, result: Any) -> tuple[FinishOutcome, str | None]:
+        """Link the item's done file for this result (or its timeout) into done/, unsynced; the
+        outcome and the file to remove once done/ is synced. Call under the item's lock."""
+        ready = self._prepare_done(config, item_id, result)
+        if isinstance(ready, FinishOutcome):
+            return ready, None
+        return self._link_prepared(config.name, ready)
+
+    def _link_prepared(self, queue: str, ready: "_Prepared") -> tuple[FinishOutcome, str | None]:
+        item_id = ready.item.id
+        if not self._link_tmp(queue, ready.item, ready.tmp):
+            return FinishOutcome(item_id, False, self._done_status_of(queue, item_id)), None
+        return ready.outcome, ready.source
 
     def _put_done(self, queue: str, source: str, item: Item) -> bool:
         """Move `item` to done/ with its new content; False if done/ already had it."""
-        tmp = self._write_tmp(queue, item, mode=_UNFETCHED_MODE, mtime=item.finished_at)
+        if not self._link_tmp(queue, item, self._write_tmp(queue, item, mode=_UNFETCHED_MODE, mtime=item.finished_at)):
+            return False
+        self._sync_dir(self._dir(queue, "done"))
+        _unlink_quietly(self._path(queue, source, item.id))
+        return True
+
+    def _link_tmp(self, queue: str, item: Item, tmp: str) -> bool:
+        """Link a done file written to tmp/ into done/ (not yet synced) and remove the tmp file;
+        False if done/ already had the item."""
         try:
             os.link(tmp, self._path(queue, "done", item.id))
         except FileExistsError:
             return False
         finally:
             _unlink_quietly(tmp)
-        self._sync_dir(self._dir(queue, "done"))
         self._done_status.setdefault(queue, {})[item.id] = item.status
         self._tally(queue, item.status, item.finished_at)
-        _unlink_quietly(self._path(queue, source, item.id))
         return True
 
     def _fail_timed_out(self, queue: str, state: str, item: Item, now: float) -> None:
-        failed = replace(
-            item, status="failed", error="timeout", lease_expires_at=None, finished_at=now, claim_token=None
-        )
-        self._put_done(queue, state, failed)
+        self._put_done(queue, state, _timed_out(item, now))
 
     def release_item(self, *, queue: str, item_id: str, claim_token: str | None = None) -> Item:
         """Put a processing item back to pending now. With `claim_token`, only if that claim
@@ -723,7 +859,7 @@ class Store:
         """Read one item. With `fetch`, a terminal item is marked fetched the first time, and under
         retainFrom `fetched` its retention clock starts now (G7)."""
         self._valid_id(queue, item_id)
-        if not self._dir(queue, "done").is_dir():
+        if not os.path.isdir(self._dir(queue, "done")):
             raise ItemNotFound(f"no item {item_id} in queue {queue}")
         with self._item_lock(queue, item_id), self._storage_errors():
             state, item = self._find(queue, item_id)
@@ -746,7 +882,7 @@ class Store:
     def quarantine(self, *, queue: str, state: str, item_id: str) -> None:
         """Move an unreadable file out of the way, so it never stops a claim or a sweep."""
         source = self._path(queue, state, item_id)
-        target = self._dir(queue, "quarantine") / f"{state}-{item_id}.json"
+        target = f"{self._dir(queue, 'quarantine')}/{state}-{item_id}.json"
         try:
             os.rename(source, target)
         except FileNotFoundError:
@@ -783,7 +919,7 @@ class Store:
     def _repair(self, queue: str, listing: dict[str, list[str]]) -> list[str]:
         for state, names in listing.items():
             for name in _not_item_files(names):
-                _quarantine_path(self._dir(queue, state) / name, self._dir(queue, "quarantine"), state)
+                _quarantine_path(self._dir(queue, state), name, self._dir(queue, "quarantine"), state)
         repaired = []
         doubled = _doubled(listing["pending"], listing["processing"], listing["done"])
         for name in sorted(doubled):
@@ -791,7 +927,8 @@ class Store:
             if not ids.is_valid_id(item_id):
                 continue
             with self._item_lock(queue, item_id):
-                present = [s for s in ("done", "pending", "processing") if self._path(queue, s, item_id).exists()]
+                states = ("done", "pending", "processing")
+                present = [s for s in states if os.path.exists(self._path(queue, s, item_id))]
                 for state in present[1:]:
                     _unlink_quietly(self._path(queue, state, item_id))
                 if len(present) > 1:
@@ -836,7 +973,7 @@ class Store:
             if not (name.endswith(".json") and ids.is_valid_id(item_id)):
                 continue
             try:
-                if os.stat(directory / name).st_mtime > now:
+                if os.stat(f"{directory}/{name}").st_mtime > now:
                     continue  # the mtime is the lease expiry: no need to read the file
             except FileNotFoundError:
                 continue
@@ -865,13 +1002,17 @@ class Store:
         queue = config.name
         cutoff = self.clock() - config.retain_seconds
         directory = self._dir(queue, "done")
+        # retention starts when an item ends, never before it was posted, so an item posted after
+        # the cutoff is not due and needs no stat: the names say so at C speed (with a margin for
+        # ids made ahead of this clock: a clock stepped back, or another process's clock)
+        bound = ids.time_prefix(int((cutoff + ID_CLOCK_MARGIN_SECONDS) * 1000) + 1)
         deleted = []
-        for name in done:
+        for name in filter(bound.__gt__, done):
             item_id = name[:-5]
             if not (name.endswith(".json") and ids.is_valid_id(item_id)):
                 continue
             try:
-                info = os.stat(directory / name)
+                info = os.stat(f"{directory}/{name}")
             except FileNotFoundError:
                 continue
             if config.retain_from == "fetched" and not info.st_mode & stat.S_IRGRP:
@@ -883,7 +1024,7 @@ class Store:
                 _unlink_quietly(self._path(queue, "pending", item_id))
                 _unlink_quietly(self._path(queue, "processing", item_id))
                 try:
-                    os.unlink(directory / name)
+                    os.unlink(f"{directory}/{name}")
                 except FileNotFoundError:
                     continue  # another sweeper was first
             self._done_status.get(queue, {}).pop(item_id, None)
@@ -898,7 +1039,7 @@ class Store:
         for state in ("tmp", "stats"):
             directory = self._dir(queue, state)
             for name in self._names(queue, state):
-                path = directory / name
+                path = f"{directory}/{name}"
                 try:
                     if os.stat(path).st_mtime < cutoff:
                         os.unlink(path)
@@ -912,7 +1053,7 @@ class Store:
     def _tally(self, queue: str, status: str, at: float) -> None:
         """Count one item ended: one byte appended to the minute's tally. O_APPEND writes are
         atomic, so every process and sweeper can count into the same file."""
-        path = self._dir(queue, "stats") / f"{int(at // 60)}.{status}"
+        path = f"{self._dir(queue, 'stats')}/{int(at // 60)}.{status}"
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         try:
             os.write(fd, b".")
@@ -928,7 +1069,7 @@ class Store:
             counts = []
             for status in ("finished", "failed"):
                 try:
-                    counts.append(os.stat(directory / f"{minute}.{status}").st_size)
+                    counts.append(os.stat(f"{directory}/{minute}.{status}").st_size)
                 except FileNotFoundError:
                     counts.append(0)
             rows.append((minute * 60.0, counts[0], counts[1]))
@@ -992,16 +1133,38 @@ class Store:
         return len(item_ids), page
 
 
-def _unlink_quietly(path: Path) -> None:
+@dataclass(frozen=True)
+class _Prepared:
+    """A done file written to tmp/ for a batch of results, not yet linked into done/."""
+
+    item: Item  # the done content
+    tmp: str
+    source: str  # the item's file when it was read
+    identity: tuple[int, int, int]  # of `source` then: any transition since replaced the file
+    outcome: FinishOutcome  # once linked
+
+
+def _identity(path: str) -> tuple[int, int, int]:
+    """What changes whenever a transition replaces the file at `path`: a rewrite is a new file,
+    and a claim or an extension also moves the mtime (the lease expiry)."""
+    info = os.stat(path)
+    return info.st_ino, info.st_ctime_ns, info.st_mtime_ns
+
+
+def _timed_out(item: Item, now: float) -> Item:
+    return replace(item, status="failed", error="timeout", lease_expires_at=None, finished_at=now, claim_token=None)
+
+
+def _unlink_quietly(path: str) -> None:
     try:
         os.unlink(path)
     except FileNotFoundError:
         pass
 
 
-def _quarantine_path(path: Path, quarantine: Path, state: str) -> None:
+def _quarantine_path(directory: str, name: str, quarantine: str, state: str) -> None:
     try:
-        os.rename(path, quarantine / f"{state}-{path.name}")
+        os.rename(f"{directory}/{name}", f"{quarantine}/{state}-{name}")
     except (FileNotFoundError, IsADirectoryError, OSError):
         pass
 

@@ -1,7 +1,10 @@
 import threading
 import uuid
+from datetime import datetime, timezone
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from queues import ids
 
@@ -90,3 +93,35 @@ def test_timestamps_are_utc_iso_with_milliseconds_and_z():
     assert ids.iso(None) is None
     assert ids.parse_iso("2026-11-30T00:53:20.124Z") == pytest.approx(1_796_000_000.124)
     assert ids.parse_iso(None) is None
+
+
+def _iso_by_datetime(timestamp: float) -> str:
+    moment = datetime.fromtimestamp(round(timestamp, 3), tz=timezone.utc)
+    return moment.strftime("%Y-%m-%dT%H:%M:%S.") + f"{moment.microsecond // 1000:03d}Z"
+
+
+@given(st.floats(min_value=0, max_value=4_102_444_800))  # 1970 ... 2100
+def test_timestamps_format_exactly_as_datetime_does(timestamp):
+    assert ids.iso(timestamp) == _iso_by_datetime(timestamp)
+    assert ids.parse_iso(ids.iso(timestamp)) == pytest.approx(round(timestamp, 3), abs=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("timestamp", "text"),
+    [
+        (1_796_000_000.9995, "2026-11-30T00:53:21.000Z"),  # rounds up into the next second
+        (1_796_000_000.9994, "2026-11-30T00:53:20.999Z"),
+        (1_796_000_039.9999, "2026-11-30T00:54:00.000Z"),  # ... and the next minute
+        (1_798_761_599.9999, "2027-01-01T00:00:00.000Z"),  # ... and the next year
+        (951_782_400.5, "2000-02-29T00:00:00.500Z"),
+    ],
+)
+def test_timestamps_round_to_the_millisecond_across_boundaries(timestamp, text):
+    assert ids.iso(timestamp) == text
+    assert ids.iso(timestamp) == _iso_by_datetime(timestamp)
+
+
+def test_a_posting_time_survives_formatting_and_parsing_exactly():
+    (item_id,) = ids.IdMaker().new_ids(1, NOW)
+    posted_at = ids.id_millis(item_id) / 1000
+    assert ids.parse_iso(ids.iso(posted_at)) == posted_at

@@ -301,6 +301,90 @@ def test_an_oversized_result_is_refused_and_changes_nothing(store, config):
     assert files_in(store, "tmp") == []
 
 
+def test_a_batch_of_results_settles_each_item_as_one_result_would(store, clock, config):
+    fresh, held, twice, late, too_big = post(store, 1, 2, 3, 4, 5)
+    store.claim_items(config=config, max_items=3)
+    assert store.finish_item(config=config, item_id=late, result="first").accepted
+    never_posted = ids.IdMaker().new_ids(1, clock.now)[0]
+    outcomes = store.finish_items(
+        config=config,
+        results=[
+            (held, "a"), (twice, "b"), (twice, "again"), (late, "second"),
+            (never_posted, "c"), ("not-an-id", "d"), (too_big, "x" * 2000), (fresh, "e"),
+        ],
+    )
+    assert [(o.accepted, o.status) for o in outcomes[:4]] == [
+        (True, "finished"), (True, "finished"), (False, "finished"), (False, "finished")
+    ]
+    assert [type(o) for o in outcomes[4:7]] == [ItemNotFound, ItemNotFound, PayloadTooLarge]
+    assert (outcomes[7].accepted, outcomes[7].id) == (True, fresh)  # pending, never claimed (G4)
+    assert [store.read_item(queue=Q, item_id=i).result for i in (held, twice, late, fresh)] == ["a", "b", "first", "e"]
+    assert states_of(store, too_big) == ["pending"]
+    for item_id in (held, twice, late, fresh):
+        assert states_of(store, item_id) == ["done"]
+
+
+def test_a_batch_of_results_fails_aged_items_instead(store, clock, config):
+    old, = post(store, 1)
+    clock.advance(config.queue_seconds - 10)
+    young, = post(store, 2)
+    clock.advance(11)
+    aged, fine = store.finish_items(config=config, results=[(old, "r"), (young, "r")])
+    assert (aged.accepted, aged.status, fine.accepted) == (False, "failed", True)
+    assert store.read_item(queue=Q, item_id=old).error == "timeout"
+    assert states_of(store, old) == ["done"]
+
+
+def test_batches_of_results_racing_over_the_same_items_accept_each_once(tmp_path, clock, config):
+    """Two processes (two stores) with two threads each hand in overlapping batches in different
+    orders; the batches hold many item locks at once and must neither deadlock nor double-finish."""
+    stores = [Store(tmp_path / "shared", fsync=False, clock=clock) for _ in range(2)]
+    posted = [i.id for i in stores[0].post_items(queue=Q, payloads=list(range(600)))]
+    accepted: list[str] = []
+    lock = threading.Lock()
+
+    def hand_in(store: Store, order: list[str]) -> None:
+        for start in range(0, len(order), 100):
+            batch = order[start : start + 100]
+            outcomes = store.finish_items(config=config, results=[(i, i) for i in batch])
+            with lock:
+                accepted.extend(o.id for o in outcomes if o.accepted)
+
+    orders = [posted, posted[::-1], posted[300:] + posted[:300], posted[::2] + posted[1::2]]
+    threads = [threading.Thread(target=hand_in, args=(stores[n % 2], order)) for n, order in enumerate(orders)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not any(thread.is_alive() for thread in threads)
+    assert sorted(accepted) == posted
+    assert len(files_in(stores[0], "done")) == 600 and files_in(stores[0], "pending") == []
+
+
+def test_a_result_whose_item_was_claimed_again_while_its_batch_was_written_counts_that_claim(
+    store, clock, config, monkeypatch
+):
+    """A batch writes each done file under the item's lock alone; an item that moves on before the
+    batch links the files (here: re-queued and claimed again) is settled afresh, not from the
+    content read before."""
+    (item_id,) = post(store, 1)
+    claim_one(store, config)
+    real_commit = store._commit_all_done
+
+    def reclaim_then_commit(*args):
+        store.release_item(queue=Q, item_id=item_id)  # between the two steps: the item moves on
+        claim_one(store, config)
+        real_commit(*args)
+
+    monkeypatch.setattr(store, "_commit_all_done", reclaim_then_commit)
+    (outcome,) = store.finish_items(config=config, results=[(item_id, "r")])
+    assert outcome.accepted
+    done = store.read_item(queue=Q, item_id=item_id)
+    assert (done.status, done.attempts, done.result) == ("finished", 2, "r")
+    assert states_of(store, item_id) == ["done"]
+    assert files_in(store, "tmp") == []
+
+
 def test_attempts_count_the_claims(store, clock, config):
     """G5: claim, release, claim, lapse and re-queue, claim: three claims."""
     (item_id,) = post(store)
@@ -783,6 +867,32 @@ def test_a_store_with_fsync_flushes_files_and_directories(tmp_path, clock, confi
     assert len(synced) == 2  # the result's file, then the done directory
     assert store.read_item(queue=Q, item_id=a).result == "r"
     assert states_of(store, a) == states_of(store, b) == ["done"]
+    synced.clear()
+    batch = post(store, 1, 2, 3)
+    synced.clear()
+    assert all(o.accepted for o in store.finish_items(config=config, results=[(i, "r") for i in batch]))
+    assert len(synced) == 4  # three result files, then the done directory once
+
+
+def test_a_batch_removes_old_files_only_after_done_is_synced(tmp_path, clock, config, monkeypatch):
+    """Were a pending file removed before done/ is on disk, a power cut could lose the item."""
+    store = Store(tmp_path / "synced", fsync=True, clock=clock)
+    batch = post(store, 1, 2)
+    events: list[str] = []
+    real_fsync, real_unlink = os.fsync, os.unlink
+
+    def fsync(fd):
+        events.append("dir" if os.path.isdir(f"/proc/self/fd/{fd}") else "file")
+        real_fsync(fd)
+
+    def unlink(path, *args, **kwargs):
+        events.append("unlink " + Path(path).parent.name)
+        real_unlink(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "unlink", unlink)
+    store.finish_items(config=config, results=[(i, "r") for i in batch])
+    assert events == ["file", "file", "unlink tmp", "unlink tmp", "dir", "unlink pending", "unlink pending"]
 
 
 # ---- unsafe input ----------------------------------------------------------------------------

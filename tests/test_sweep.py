@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from queues.store import STALE_TMP_SECONDS, QueueConfig, Store
+from queues.store import ID_CLOCK_MARGIN_SECONDS, STALE_TMP_SECONDS, QueueConfig, Store
 from queues.sweep import Sweeper
 
 QUIET = {"repaired": 0, "failed": 0, "requeued": 0, "deleted": 0, "tmpRemoved": 0}
@@ -175,3 +175,39 @@ def test_the_sweep_honours_retain_from(store, clock, config, retain_from):
         assert sweeper.sweep_once() == {}
         clock.advance(config.retain_seconds)
         assert sweeper.sweep_once() == {"jobs": {**QUIET, "deleted": 1}}
+
+
+def test_a_quiet_pass_never_stats_done_items_too_young_to_be_due(store, clock, config, monkeypatch):
+    """A done item's retention starts no earlier than its posting time (in its name), so a pass
+    does not stat the done files of items posted within the retention period."""
+    config = replace(config, retain_seconds=3600)
+    posted = [i.id for i in store.post_items(queue="jobs", payloads=list(range(50)))]
+    for item_id in posted:
+        store.finish_item(config=config, item_id=item_id, result="r")
+    clock.advance(config.retain_seconds - ID_CLOCK_MARGIN_SECONDS - 1)
+    statted = []
+    real_stat = os.stat
+
+    def stat(path, *args, **kwargs):
+        statted.append(str(path))
+        return real_stat(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "stat", stat)
+    assert Sweeper(store, lambda: [config]).sweep_once() == {}
+    assert not [path for path in statted if "/done/" in path]
+    clock.advance(ID_CLOCK_MARGIN_SECONDS + 1)
+    assert Sweeper(store, lambda: [config]).sweep_once() == {"jobs": {**QUIET, "deleted": 50}}
+
+
+def test_retention_is_on_time_for_an_item_whose_id_ran_ahead_of_the_clock(store, clock, config):
+    """Ids never go backwards, so after the clock steps back an id can claim a later posting
+    time than the item's finishing time; retention still counts from finishing."""
+    clock.advance(30)
+    (item,) = store.post_items(queue="jobs", payloads=[1])
+    clock.advance(-30)  # the clock is stepped back
+    store.finish_item(config=config, item_id=item.id, result="r")
+    sweeper = Sweeper(store, lambda: [config])
+    clock.advance(config.retain_seconds - 1)
+    assert sweeper.sweep_once() == {}
+    clock.advance(1)
+    assert sweeper.sweep_once() == {"jobs": {**QUIET, "deleted": 1}}
