@@ -57,7 +57,6 @@ from .exceptions import (
 QUEUE_NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,63}")
 STATE_DIRS = ("tmp", "pending", "processing", "done", "quarantine", "stats")
 _STATES = frozenset(STATE_DIRS)
-RETAIN_FROM = ("finished", "fetched")
 MAX_BATCH = 1000
 STALE_TMP_SECONDS = 3600
 ID_CLOCK_MARGIN_SECONDS = 60  # how far an id's time may run ahead of the clock that ends the item
