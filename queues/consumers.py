@@ -215,24 +215,29 @@ class WorkConsumer(AsyncWebsocketConsumer):
         name = string_field(frame, "queue")
         max_items = integer_field(frame, "max", low=1, high=MAX_CLAIM, default=1)
         wait = number_field(frame, "wait", low=0, high=MAX_CLAIM_WAIT_SECONDS, default=0)
-        items = await self.claim(await self.work_queue(name), max_items)
+        config = await self.work_queue(name)
+        posted = hub.available_mark(name)
+        items = await self.claim(config, max_items)
         if items or not wait:
             await self.answer("items", ref, items=[item.to_json(payload=True) for item in items])
             return
-        task = asyncio.create_task(self.wait_and_claim(name, max_items, wait, ref))
+        task = asyncio.create_task(self.wait_and_claim(name, max_items, wait, ref, posted))
         self.waiting.add(task)
         task.add_done_callback(self.waiting.discard)
 
-    async def wait_and_claim(self, name: str, max_items: int, wait: float, ref) -> None:
+    async def wait_and_claim(self, name: str, max_items: int, wait: float, ref, posted: int) -> None:
         """Wait for a wake-up (or the periodic re-check) and claim; a wake-up that finds nothing
-        (another claimant was first) just waits again."""
+        (another claimant was first) just waits again. `posted` is the hub's mark taken before
+        the claim that found nothing."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait
         items = []
         try:
             while not items and (remaining := deadline - loop.time()) > 0:
-                await hub.wait_available(name, min(remaining, RECHECK_SECONDS))
-                items = await self.claim(await self.work_queue(name), max_items)
+                await hub.wait_available(name, min(remaining, RECHECK_SECONDS), since=posted)
+                config = await self.work_queue(name)
+                posted = hub.available_mark(name)
+                items = await self.claim(config, max_items)
             await self.answer("items", ref, items=[item.to_json(payload=True) for item in items])
         except TaskhosterError as error:
             await self.answer("error", ref, code=error.code, message=error.message)

@@ -3,6 +3,10 @@ to turn terminal.
 
 Transitions made in this process (from the event loop or from any thread, such as the sweep's)
 call `items_available` / `items_terminal`; waiters await `wait_available` / `wait_terminal`.
+
+A waiter looks at the disk first and waits after, so an event can land in between. It takes a
+mark (`available_mark` / `terminal_mark`) before it looks, and passes it to the wait: if an event
+came since the mark, the wait returns at once instead of sleeping through it.
 A bridge (set by the channel-layer code) may forward each notification to other processes and
 feed theirs back in with `local_only=True`.
 """
@@ -28,12 +32,15 @@ class Hub:
         self._lock = threading.Lock()
         self._claim_waiters: dict[str, deque[asyncio.Future]] = defaultdict(deque)
         self._item_waiters: dict[tuple[str, str], deque[asyncio.Future]] = defaultdict(deque)
+        self._available_events: dict[str, int] = defaultdict(int)  # queue -> events so far
+        self._terminal_events: dict[str, int] = defaultdict(int)
         self.bridge: Bridge | None = None
 
     def items_available(self, queue: str, count: int = 1, *, local_only: bool = False) -> None:
         """Items were posted or re-queued: wake at most `count` waiting claims, oldest first
         (no thundering herd: the rest keep waiting)."""
         with self._lock:
+            self._available_events[queue] += 1
             waiters = self._claim_waiters.get(queue)
             woken = []
             while waiters and len(woken) < count:
@@ -47,23 +54,36 @@ class Hub:
         """Items finished or failed: wake every read waiting on them."""
         item_ids = list(item_ids)
         with self._lock:
+            self._terminal_events[queue] += 1
             woken = [f for i in item_ids for f in self._item_waiters.pop((queue, i), ())]
         for future in woken:
             future.get_loop().call_soon_threadsafe(_wake, future)
         if self.bridge is not None and not local_only and item_ids:
             self.bridge.publish("terminal", queue, item_ids)
 
-    async def wait_available(self, queue: str, timeout: float) -> bool:
-        """Wait until woken for `queue` or `timeout` passes; True if woken."""
-        return await self._wait(self._claim_waiters, queue, timeout)
+    def available_mark(self, queue: str) -> int:
+        """Take before looking for items; give to `wait_available`."""
+        return self._available_events.get(queue, 0)
 
-    async def wait_terminal(self, queue: str, item_id: str, timeout: float) -> bool:
-        """Wait until the item is reported terminal or `timeout` passes; True if reported."""
-        return await self._wait(self._item_waiters, (queue, item_id), timeout)
+    def terminal_mark(self, queue: str) -> int:
+        """Take before reading an item; give to `wait_terminal`."""
+        return self._terminal_events.get(queue, 0)
 
-    async def _wait(self, waiting: dict, key, timeout: float) -> bool:
+    async def wait_available(self, queue: str, timeout: float, *, since: int | None = None) -> bool:
+        """Wait until woken for `queue` or `timeout` passes; True if woken. With `since` (a mark),
+        True at once if items became available after the mark was taken."""
+        return await self._wait(self._claim_waiters, queue, timeout, self._available_events, queue, since)
+
+    async def wait_terminal(self, queue: str, item_id: str, timeout: float, *, since: int | None = None) -> bool:
+        """Wait until the item is reported terminal or `timeout` passes; True if reported. With
+        `since` (a mark), True at once if any item of the queue ended after the mark was taken."""
+        return await self._wait(self._item_waiters, (queue, item_id), timeout, self._terminal_events, queue, since)
+
+    async def _wait(self, waiting: dict, key, timeout: float, events: dict, queue: str, since: int | None) -> bool:
         future = asyncio.get_running_loop().create_future()
         with self._lock:
+            if since is not None and events.get(queue, 0) != since:
+                return True
             waiting[key].append(future)
         try:
             return await asyncio.wait_for(future, timeout)

@@ -38,6 +38,19 @@ async def test_items_terminal_wakes_every_read_of_that_item_from_another_thread(
     assert await other is False
 
 
+async def test_an_event_after_the_mark_ends_a_wait_at_once_and_none_lets_it_wait():
+    """A waiter marks, looks at the disk, then waits: what came while it looked is not missed."""
+    hub = Hub()
+    posted, ended = hub.available_mark("jobs"), hub.terminal_mark("jobs")
+    hub.items_available("jobs", 1)  # no claim is waiting yet: nobody to wake
+    hub.items_terminal("jobs", ["a"])
+    assert await hub.wait_available("jobs", timeout=30, since=posted) is True
+    assert await hub.wait_terminal("jobs", "a", timeout=30, since=ended) is True
+    assert await hub.wait_available("jobs", timeout=0.05, since=hub.available_mark("jobs")) is False
+    assert await hub.wait_terminal("jobs", "a", timeout=0.05, since=hub.terminal_mark("jobs")) is False
+    assert await hub.wait_available("other", timeout=0.05, since=hub.available_mark("other")) is False
+
+
 async def test_a_wait_that_times_out_leaves_nothing_behind():
     hub = Hub()
     assert await hub.wait_available("jobs", timeout=0.01) is False

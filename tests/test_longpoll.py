@@ -10,6 +10,7 @@ import pytest
 
 from api_support import api, bearer, queues, tokens  # noqa: F401  (fixtures)
 from queues.api import application, handlers
+from queues.events import hub
 from queues.runtime import get_registry, get_store
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -47,6 +48,28 @@ async def test_a_waiting_read_answers_within_a_second_of_the_result(api, queues,
     assert time.monotonic() - handed_in < 1.0
     assert answer.status_code == 200
     assert (answer.json()["status"], answer.json()["result"]) == ("finished", {"done": 1})
+
+
+async def test_a_result_that_lands_while_the_read_looks_at_the_disk_still_wakes_it(
+    api, queues, tokens, rare_rereads, monkeypatch
+):
+    item_id = await post(api, tokens["all"])
+    store = get_store()
+    real_read = store.read_item
+    handed_in = []
+
+    def read_then_result(**kwargs):  # the result comes after the read, before the wait
+        item = real_read(**kwargs)
+        if not handed_in:
+            handed_in.append(store.finish_item(config=get_registry().queue("jobs"), item_id=item_id, result=2))
+            hub.items_terminal("jobs", [item_id])
+        return item
+
+    monkeypatch.setattr(store, "read_item", read_then_result)
+    answer = await asyncio.wait_for(
+        api.get(f"/api/queues/jobs/items/{item_id}?wait=20", headers=bearer(tokens["all"])), timeout=5
+    )
+    assert (answer.json()["status"], answer.json()["result"]) == ("finished", 2)
 
 
 async def test_a_waiting_read_sees_a_result_from_another_process_by_re_reading(api, queues, tokens):
@@ -106,6 +129,27 @@ async def test_a_waiting_claim_answers_within_a_second_of_a_post(api, queues, to
 
     assert time.monotonic() - posted_at < 1.0
     assert [i["id"] for i in answer.json()["items"]] == [item_id]
+
+
+async def test_a_post_that_lands_while_the_claim_looks_at_the_disk_still_wakes_it(
+    api, queues, tokens, rare_rereads, monkeypatch
+):
+    store = get_store()
+    real_claim = store.claim_items
+    posted = []
+
+    def claim_then_post(**kwargs):  # the post comes after the disk was found empty, before the wait
+        items = real_claim(**kwargs)
+        if not posted:
+            posted.extend(item.id for item in store.post_items(queue="jobs", payloads=["late"]))
+            hub.items_available("jobs", 1)
+        return items
+
+    monkeypatch.setattr(store, "claim_items", claim_then_post)
+    answer = await asyncio.wait_for(
+        api.post("/api/queues/jobs/claim", json={"wait": 20}, headers=bearer(tokens["all"])), timeout=5
+    )
+    assert [i["id"] for i in answer.json()["items"]] == posted
 
 
 async def test_a_waiting_claim_answers_no_items_when_the_wait_ends(api, queues, tokens):

@@ -108,6 +108,7 @@ async def read_item(request: Request, queue: str, item_id: str) -> Answer:
     if wait:
         request.watch_disconnect()
     while True:
+        ended = hub.terminal_mark(queue)
         # a fetch is recorded only on a terminal item, and this read is the answer that shows it
         item = await in_store_thread(
             store.read_item, queue=queue, item_id=item_id, fetch=True, retain_from=config.retain_from
@@ -115,7 +116,7 @@ async def read_item(request: Request, queue: str, item_id: str) -> Answer:
         remaining = deadline - _clock()
         if item.terminal or remaining <= 0 or request.gone:
             return Answer(200, item.to_json(payload=with_payload))
-        await hub.wait_terminal(queue, item_id, min(remaining, RECHECK_SECONDS))
+        await hub.wait_terminal(queue, item_id, min(remaining, RECHECK_SECONDS), since=ended)
 
 
 @router.add("POST", "/api/queues/{queue}/claim")
@@ -134,11 +135,12 @@ async def claim(request: Request, queue: str) -> Answer:
         config = registry.queue(queue)
         if config is None:
             raise UnknownQueue(f"queue {queue!r} was deleted")
+        posted = hub.available_mark(queue)
         items = await in_store_thread(store.claim_items, config=config, max_items=max_items)
         remaining = deadline - _clock()
         if items or remaining <= 0 or request.gone:
             break
-        await hub.wait_available(queue, min(remaining, RECHECK_SECONDS))
+        await hub.wait_available(queue, min(remaining, RECHECK_SECONDS), since=posted)
     if items and request.gone:
         await _release(queue, items)  # nobody will work them: hand them to the next claimant now
         items = []
