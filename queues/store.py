@@ -25,6 +25,7 @@ posted long enough ago to be due). A batch of results syncs done/ once for the b
 
 import errno
 import fcntl
+import functools
 import heapq
 import itertools
 import json
@@ -37,6 +38,7 @@ import stat
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -61,10 +63,16 @@ MAX_BATCH = 1000
 STALE_TMP_SECONDS = 3600
 ID_CLOCK_MARGIN_SECONDS = 60  # how far an id's time may run ahead of the clock that ends the item
 
+# A claim (and an extend) records attempts, claim time, lease and claim token in this extended
+# attribute of the processing file instead of rewriting the file: the claim stays a rename plus
+# two metadata writes. Where xattrs are missing (macOS, some file systems) the file is rewritten.
+CLAIM_XATTR = "user.taskhoster.claim"
+_NO_XATTRS = (errno.ENOTSUP, errno.EOPNOTSUPP)
 _UNFETCHED_MODE = 0o600
 _FETCHED_MODE = 0o640  # the group-read bit marks a done item as fetched
 _LOCK_STRIPES = 256
 INDEX_CAPACITY = 100_000  # pending ids one process keeps in memory per queue
+SYNC_THREADS = 16  # files of one batch flushed at once (measured: 16 beat 4 and 64)
 _CHUNK = 10_000  # names handled at once, so a large directory never costs much memory
 
 log = logging.getLogger(__name__)
@@ -168,6 +176,31 @@ def _encode(item: Item) -> bytes:
     record["error"] = item.error
     record["claimToken"] = item.claim_token
     return _to_json(record).encode()
+
+
+def _encode_claim(item: Item) -> bytes:
+    return _to_json(
+        {
+            "attempts": item.attempts,
+            "claimedAt": item.claimed_at,
+            "leaseExpiresAt": item.lease_expires_at,
+            "claimToken": item.claim_token,
+        }
+    ).encode()
+
+
+def _with_claim(item: Item, raw: bytes) -> Item:
+    """`item` as its claim record says: attempts and claim time always (they outlive a re-queue),
+    lease and claim token while it is processing."""
+    record = json.loads(raw)
+    processing = item.status == "processing"
+    return replace(
+        item,
+        attempts=int(record["attempts"]),
+        claimed_at=float(record["claimedAt"]),
+        lease_expires_at=float(record["leaseExpiresAt"]) if processing else None,
+        claim_token=str(record["claimToken"]) if processing else None,
+    )
 
 
 def _decode(raw: bytes, *, state: str) -> Item:
@@ -427,6 +460,7 @@ class Store:
         self._done_status: dict[str, dict[str, str]] = {}  # queue -> id -> finished|failed
         self._ready: dict[str, str] = {}  # queues whose directories exist -> their directory
         self._setup_lock = threading.Lock()
+        self.claim_xattrs = hasattr(os, "setxattr")  # False once the file system refuses them
 
     # ---- paths: the only place a path is built -------------------------------------------
     # Plain strings, not pathlib objects: building a Path costs several times more, and a
@@ -528,8 +562,10 @@ class Store:
                 raise
             raise StorageUnavailable(f"the data directory cannot be written: {exc.strerror}") from exc
 
-    def _write_tmp(self, queue: str, item: Item, *, mode: int = 0o600, mtime: float | None = None) -> str:
-        """Write `item` to a fresh file in tmp/ (flushed to disk when fsync is on)."""
+    def _write_tmp(
+        self, queue: str, item: Item, *, mode: int = 0o600, mtime: float | None = None, sync: bool = True
+    ) -> str:
+        """Write `item` to a fresh file in tmp/, flushed to disk when fsync is on and `sync`."""
         tmp = f"{self._dir(queue, 'tmp')}/{item.id}.{secrets.token_hex(6)}.json"
         data = _encode(item)
         try:
@@ -538,7 +574,7 @@ class Store:
                 os.write(fd, data)
                 if mtime is not None:
                     os.utime(fd, (mtime, mtime))
-                if self.fsync:
+                if self.fsync and sync:
                     os.fsync(fd)
             finally:
                 os.close(fd)
@@ -547,27 +583,70 @@ class Store:
             raise
         return tmp
 
+    def _sync_files(self, paths: list[str]) -> None:
+        """Flush written files to disk (when fsync is on). Many at once go in parallel: the file
+        system commits concurrent flushes together, at about a third of the cost each."""
+        if not self.fsync:
+            return
+        if len(paths) == 1:
+            _fsync_path(paths[0])
+        else:
+            list(_sync_threads().map(_fsync_path, paths))
+
     def _sync_dir(self, directory: str) -> None:
         if self.fsync:
-            fd = os.open(directory, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            _fsync_path(directory)
 
     def _read(self, queue: str, state: str, item_id: str) -> Item:
         """Read one file; FileNotFoundError if it is not there, quarantined if unreadable."""
         path = self._path(queue, state, item_id)
         with open(path, "rb") as handle:
             raw = handle.read()
+            record = self._claim_record(handle.fileno()) if state != "done" else None
         try:
             item = _decode(raw, state=state)
             if item.id != item_id or item.queue != queue:
                 raise ValueError("id or queue does not match the file name")
-            return item
+            return _with_claim(item, record) if record else item
         except (ValueError, KeyError, TypeError) as exc:
             self.quarantine(queue=queue, state=state, item_id=item_id)
             raise FileNotFoundError(path) from exc
+
+    def _claim_record(self, fd: int) -> bytes | None:
+        """The claim record of an open pending or processing file, if it has one."""
+        if not self.claim_xattrs:
+            return None
+        try:
+            return os.getxattr(fd, CLAIM_XATTR)
+        except OSError as exc:
+            if exc.errno in _NO_XATTRS:
+                self.claim_xattrs = False
+            elif exc.errno != errno.ENODATA:
+                raise
+            return None
+
+    def _record_claim(self, queue: str, item: Item) -> None:
+        """Record a processing item's claim (attempts, claim time, lease, claim token), the lease
+        also as the file's mtime for the sweep. Not flushed: only posts and results must be on
+        disk before they are answered (after a power cut the item is pending again, or its lease
+        lapses). Without xattrs the file is replaced whole, by rename, so old or new content
+        survives a power cut (ext4 and btrfs flush a replace-by-rename before it lands)."""
+        path = self._path(queue, "processing", item.id)
+        if self.claim_xattrs:
+            try:
+                os.setxattr(path, CLAIM_XATTR, _encode_claim(item))
+                os.utime(path, (item.lease_expires_at, item.lease_expires_at))
+                return
+            except OSError as exc:
+                if exc.errno not in _NO_XATTRS:
+                    raise
+                self.claim_xattrs = False
+        tmp = self._write_tmp(queue, item, mtime=item.lease_expires_at, sync=False)
+        try:
+            os.rename(tmp, path)
+        except BaseException:
+            _unlink_quietly(tmp)
+            raise
 
     def _find(self, queue: str, item_id: str) -> tuple[str, Item]:
         """The item's state and content, done first (done wins over a stray copy). Call under the
@@ -578,15 +657,6 @@ class Store:
             except FileNotFoundError:
                 continue
         raise ItemNotFound(f"no item {item_id} in queue {queue}")
-
-    def _rewrite(self, queue: str, state: str, item: Item, *, mtime: float | None = None) -> None:
-        """Replace the item's file in `state` atomically with new content."""
-        tmp = self._write_tmp(queue, item, mtime=mtime)
-        try:
-            os.rename(tmp, self._path(queue, state, item.id))
-        except BaseException:
-            _unlink_quietly(tmp)
-            raise
 
     def _move(self, queue: str, item_id: str, source: str, target: str) -> None:
         os.rename(self._path(queue, source, item_id), self._path(queue, target, item_id))
@@ -624,11 +694,15 @@ class Store:
         try:
             with self._storage_errors():
                 for item in items:
-                    written.append(self._write_tmp(queue, item))
+                    written.append(self._write_tmp(queue, item, sync=False))
                 for item, tmp in zip(items, written):
                     target = self._path(queue, "pending", item.id)
                     os.rename(tmp, target)
                     moved.append(target)
+                # flushed after the renames, not before: the file system then commits the new
+                # files and their names together (one journal commit, not two), and nobody is
+                # told of them before both are on disk
+                self._sync_files(moved)
                 self._sync_dir(self._dir(queue, "pending"))
         except BaseException:
             for path in written + moved:
@@ -678,7 +752,7 @@ class Store:
                     lease_expires_at=now + config.lease_seconds,
                     claim_token=secrets.token_hex(16),
                 )
-                self._rewrite(queue, "processing", item, mtime=item.lease_expires_at)
+                self._record_claim(queue, item)
             claimed.append(item)
             listed_in_vain = False
         return claimed
@@ -698,9 +772,10 @@ class Store:
         sync of done/ for the lot instead of one per item. Each pair's own trouble (an unknown
         id, a result too large) is its outcome, in order.
 
-        Each done file is written and flushed under its item's lock alone; then the batch takes
-        all its items' locks, links the files into done/ and syncs done/ once, so nobody sees an
-        item done before it would survive a power cut, and claims wait only for that last step."""
+        Each done file is written under its item's lock alone, then all are flushed at once (in
+        parallel); then the batch takes all its items' locks, links the files into done/ and
+        syncs done/ once, so nobody sees an item done before it would survive a power cut, and
+        claims wait only for that last step."""
         queue = config.name
         outcomes: list[FinishOutcome | TaskhosterError | None] = [None] * len(results)
         prepared: list[tuple[int, _Prepared]] = []
@@ -710,7 +785,7 @@ class Store:
                     self._valid_id(queue, item_id)
                     self._check_size(result, "result")
                     with self._item_lock(queue, item_id), self._storage_errors():
-                        ready = self._prepare_done(config, item_id, result)
+                        ready = self._prepare_done(config, item_id, result, sync=False)
                 except TaskhosterError as error:
                     outcomes[position] = error
                     continue
@@ -719,6 +794,8 @@ class Store:
                 else:
                     prepared.append((position, ready))
             if prepared:
+                with self._storage_errors():
+                    self._sync_files([ready.tmp for _, ready in prepared])
                 self._commit_all_done(config, results, prepared, outcomes)
         except BaseException:
             for _, ready in prepared:
@@ -726,9 +803,11 @@ class Store:
             raise
         return outcomes
 
-    def _prepare_done(self, config: QueueConfig, item_id: str, result: Any) -> "FinishOutcome | _Prepared":
+    def _prepare_done(
+        self, config: QueueConfig, item_id: str, result: Any, *, sync: bool = True
+    ) -> "FinishOutcome | _Prepared":
         """The outcome if the item is done already; else its done file written to tmp/ (and
-        flushed), with what to check before linking it. Call under the item's lock."""
+        flushed if `sync`), with what to check before linking it. Call under the item's lock."""
         queue = config.name
         state, item = self._find(queue, item_id)
         if state == "done":
@@ -743,7 +822,7 @@ class Store:
                 item, status="finished", lease_expires_at=None, finished_at=now, result=result, claim_token=None
             )
             outcome = FinishOutcome(item_id, True, "finished")
-        tmp = self._write_tmp(queue, done, mode=_UNFETCHED_MODE, mtime=done.finished_at)
+        tmp = self._write_tmp(queue, done, mode=_UNFETCHED_MODE, mtime=done.finished_at, sync=sync)
         return _Prepared(done, tmp, source, identity, outcome)
 
     def _commit_all_done(
@@ -835,11 +914,11 @@ class Store:
             return False
 
     def _requeue(self, queue: str, item: Item) -> Item:
+        # a rename alone: a pending file's lease and claim token, in its claim record or its
+        # content, mean nothing, and its attempts stay for the next claim to count on
         self._move(queue, item.id, "processing", "pending")
-        pending = replace(item, status="pending", lease_expires_at=None, claim_token=None)
-        self._rewrite(queue, "pending", pending)
         self._index(queue).push([item.id])
-        return pending
+        return replace(item, status="pending", lease_expires_at=None, claim_token=None)
 
     def extend_lease(
         self, *, queue: str, item_id: str, seconds: float, claim_token: str | None = None
@@ -851,7 +930,7 @@ class Store:
             if state != "processing" or (claim_token is not None and item.claim_token != claim_token):
                 raise NotHeld(f"item {item_id} is {item.status}, not held")
             item = replace(item, lease_expires_at=self.clock() + seconds)
-            self._rewrite(queue, "processing", item, mtime=item.lease_expires_at)
+            self._record_claim(queue, item)
             return item
 
     def read_item(self, *, queue: str, item_id: str, fetch: bool = False, retain_from: str = "finished") -> Item:
@@ -1141,6 +1220,19 @@ class _Prepared:
     source: str  # the item's file when it was read
     identity: tuple[int, int, int]  # of `source` then: any transition since replaced the file
     outcome: FinishOutcome  # once linked
+
+
+def _fsync_path(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@functools.cache
+def _sync_threads() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=SYNC_THREADS, thread_name_prefix="fsync")
 
 
 def _identity(path: str) -> tuple[int, int, int]:

@@ -24,9 +24,22 @@ def clock() -> FakeClock:
     return FakeClock()
 
 
-@pytest.fixture
-def store(tmp_path, clock) -> Store:
-    return Store(tmp_path / "store", fsync=False, max_payload_bytes=1024, clock=clock)
+@pytest.fixture(params=["claim-xattrs", "claim-rewrites"])
+def store(request, tmp_path, clock) -> Store:
+    """A store as on Linux (claims recorded in an xattr), and as where xattrs are missing (claims
+    rewrite the file)."""
+    store = Store(tmp_path / "store", fsync=False, max_payload_bytes=1024, clock=clock)
+    if request.param == "claim-rewrites":
+        store.claim_xattrs = False
+    return store
+
+
+def alongside(store: Store, **options) -> Store:
+    """Another store over the same data directory (as another process would open it), claiming
+    the same way as `store`: every process on one file system has xattrs or none has."""
+    other = Store(store.data_dir, fsync=False, **options)
+    other.claim_xattrs = store.claim_xattrs
+    return other
 
 
 @pytest.fixture

@@ -3,6 +3,7 @@ G9's durability path), with the injected FakeClock instead of sleeps."""
 
 import builtins
 import errno
+import json
 import os
 import threading
 import time
@@ -22,7 +23,8 @@ from queues.exceptions import (
     UnknownQueue,
     UnsafePath,
 )
-from queues.store import STALE_TMP_SECONDS, QueueConfig, Store
+from conftest import alongside
+from queues.store import CLAIM_XATTR, STALE_TMP_SECONDS, QueueConfig, Store
 
 Q = "jobs"
 
@@ -161,6 +163,28 @@ def test_a_claim_leases_the_item_to_one_claim(store, clock, config):
     assert shown["leaseExpiresAt"] == ids.iso(clock.now + config.lease_seconds)
 
 
+def test_a_claim_is_a_rename_that_keeps_the_posted_bytes_and_records_the_claim_beside_them(store, clock, config):
+    (item_id,) = post(store, {"p": 1})
+    pending = queue_dir(store) / "pending" / f"{item_id}.json"
+    posted, inode = pending.read_bytes(), pending.stat().st_ino
+    item = claim_one(store, config)
+    processing = queue_dir(store) / "processing" / f"{item_id}.json"
+    if store.claim_xattrs:
+        assert (processing.stat().st_ino, processing.read_bytes()) == (inode, posted)
+        record = json.loads(os.getxattr(processing, CLAIM_XATTR))
+    else:  # no xattrs here: the file is replaced whole
+        record = json.loads(processing.read_bytes())
+    assert (record["attempts"], record["claimToken"]) == (1, item.claim_token)
+    clock.advance(10)
+    extended = store.extend_lease(queue=Q, item_id=item_id, seconds=500)
+    assert extended.lease_expires_at == clock.now + 500
+    assert store.read_item(queue=Q, item_id=item_id).lease_expires_at == clock.now + 500
+    assert processing.stat().st_mtime == pytest.approx(clock.now + 500)
+    store.release_item(queue=Q, item_id=item_id)
+    again = store.read_item(queue=Q, item_id=item_id)
+    assert (again.status, again.attempts, again.claim_token, again.lease_expires_at) == ("pending", 1, None, None)
+
+
 def test_a_paused_queue_hands_out_nothing(store, config):
     (item_id,) = post(store)
     assert store.claim_items(config=replace(config, paused=True), max_items=5) == []
@@ -171,7 +195,7 @@ def test_a_paused_queue_hands_out_nothing(store, config):
 def test_an_item_is_claimed_by_one_claimant_only(store, tmp_path, clock, config):
     """G2: two stores (as two server processes would) and eight threads race for 300 items."""
     post(store, *range(300))
-    other = Store(store.data_dir, fsync=False, clock=clock)
+    other = alongside(store, clock=clock)
     claimed: list[str] = []
 
     def claim_all(claimant: Store) -> None:
@@ -190,7 +214,7 @@ def test_an_item_is_claimed_by_one_claimant_only(store, tmp_path, clock, config)
 
 
 def test_a_claim_sees_items_posted_by_another_process(store, clock, config):
-    other = Store(store.data_dir, fsync=False, clock=clock)
+    other = alongside(store, clock=clock)
     assert store.claim_items(config=config) == []  # the index is built, and empty
     (item_id,) = post(other)
     assert claim_one(store, config).id == item_id
@@ -204,7 +228,7 @@ def test_a_small_index_still_hands_out_everything_oldest_first(tmp_path, clock, 
     for n in range(5):
         posted += post(store, *range(3), queue=Q)
         clock.advance(1)
-    other = Store(store.data_dir, fsync=False, clock=clock, index_capacity=4)
+    other = alongside(store, clock=clock, index_capacity=4)
     claimed = [i.id for i in other.claim_items(config=config, max_items=3)]
     posted += post(store, "late")
     claimed += [i.id for i in store.claim_items(config=config, max_items=100)]
@@ -663,7 +687,7 @@ def test_count_items_counts_each_state(store, clock, config):
     clock.advance(config.queue_seconds)
     store.fail_aged(config=config)
     # another process counts what it never saw happen
-    counts = Store(store.data_dir, fsync=False, clock=clock).count_items(queue=Q)
+    counts = alongside(store, clock=clock).count_items(queue=Q)
     assert (counts.pending, counts.processing, counts.finished, counts.failed) == (0, 0, 2, 4)
     assert counts.oldest_pending_posted_at is None
 
@@ -741,7 +765,7 @@ def test_a_claim_never_hands_out_a_stray_copy_of_a_done_item(store, config):
     (item_id,) = post(store)
     store.finish_item(config=config, item_id=item_id, result="kept")
     copy_file(store, item_id, "done", "pending")
-    fresh = Store(store.data_dir, fsync=False, clock=store.clock)  # its index lists the stray copy
+    fresh = alongside(store, clock=store.clock)  # its index lists the stray copy
     assert fresh.claim_items(config=config, max_items=5) == []
     assert store.read_item(queue=Q, item_id=item_id).result == "kept"
     assert store.repair(queue=Q) == [item_id]
@@ -841,37 +865,40 @@ def test_tmp_files_older_than_an_hour_are_removed(store):
 # ---- durability ------------------------------------------------------------------------------
 
 
-def test_a_store_with_fsync_flushes_files_and_directories(tmp_path, clock, config, monkeypatch):
+def test_a_store_with_fsync_flushes_posts_and_results_but_not_claims(tmp_path, clock, config, monkeypatch):
+    """What is flushed, and where each file is when it is: a post's files once in pending/ (the
+    journal then commits files and names together), a result's file before done/ shows it."""
     store = Store(tmp_path / "synced", fsync=True, clock=clock)
-    synced: list[int] = []
+    root = os.fspath(store.data_dir / Q)
+    synced: list[str] = []  # what each fsync flushed, relative to the queue's directory
     real_fsync = os.fsync
 
-    def counting_fsync(fd):
-        synced.append(fd)
+    def recording_fsync(fd):
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        synced.append(os.path.relpath(path, root).removesuffix(".json") if path.startswith(root) else path)
         real_fsync(fd)
 
-    monkeypatch.setattr(os, "fsync", counting_fsync)
+    monkeypatch.setattr(os, "fsync", recording_fsync)
     store.ensure_queue(Q)
-    assert len(synced) == 2  # the queue's directory and the data directory hold new entries
+    assert synced == [".", os.fspath(store.data_dir)]  # both hold new entries
     synced.clear()
     a, b = (i.id for i in store.post_items(queue=Q, payloads=[1, 2]))
-    assert len(synced) == 3  # two files, then the pending directory
+    assert sorted(synced[:2]) == sorted([f"pending/{a}", f"pending/{b}"]) and synced[2:] == ["pending"]
     synced.clear()
     store.claim_items(config=config, max_items=2)
+    assert synced == []  # a claim need not survive a power cut: the item is pending again then
     store.extend_lease(queue=Q, item_id=b, seconds=100)
     store.release_item(queue=Q, item_id=b)
-    assert store.finish_item(config=config, item_id=a, result="r").accepted
-    assert synced
     synced.clear()
     assert store.finish_item(config=config, item_id=b, result="r").accepted
-    assert len(synced) == 2  # the result's file, then the done directory
-    assert store.read_item(queue=Q, item_id=a).result == "r"
-    assert states_of(store, a) == states_of(store, b) == ["done"]
+    assert [path.split("/")[0] for path in synced] == ["tmp", "done"]  # the file before its name
+    assert store.read_item(queue=Q, item_id=b).result == "r"
     synced.clear()
     batch = post(store, 1, 2, 3)
     synced.clear()
     assert all(o.accepted for o in store.finish_items(config=config, results=[(i, "r") for i in batch]))
-    assert len(synced) == 4  # three result files, then the done directory once
+    assert [path.split("/")[0] for path in synced] == ["tmp"] * 3 + ["done"]  # done/ once for the batch
+    assert states_of(store, b) == ["done"] and all(states_of(store, i) == ["done"] for i in batch)
 
 
 def test_a_batch_removes_old_files_only_after_done_is_synced(tmp_path, clock, config, monkeypatch):
