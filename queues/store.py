@@ -25,7 +25,6 @@ posted long enough ago to be due). A batch of results syncs done/ once for the b
 
 import errno
 import fcntl
-import functools
 import heapq
 import itertools
 import json
@@ -38,7 +37,6 @@ import stat
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -68,11 +66,11 @@ ID_CLOCK_MARGIN_SECONDS = 60  # how far an id's time may run ahead of the clock 
 # two metadata writes. Where xattrs are missing (macOS, some file systems) the file is rewritten.
 CLAIM_XATTR = "user.taskhoster"
 _NO_XATTRS = (errno.ENOTSUP, errno.EOPNOTSUPP)
+_START_WRITEBACK = hasattr(os, "posix_fadvise")  # not on macOS
 _UNFETCHED_MODE = 0o600
 _FETCHED_MODE = 0o640  # the group-read bit marks a done item as fetched
 _LOCK_STRIPES = 256
 INDEX_CAPACITY = 100_000  # pending ids one process keeps in memory per queue
-SYNC_THREADS = 16  # files of one batch flushed at once (measured: 16 beat 4 and 64)
 _CHUNK = 10_000  # names handled at once, so a large directory never costs much memory
 
 log = logging.getLogger(__name__)
@@ -560,11 +558,15 @@ class Store:
     def _write_tmp(
         self, queue: str, item: Item, *, mode: int = 0o600, mtime: float | None = None, sync: bool = True
     ) -> str:
-        """Write `item` to a fresh file in tmp/, flushed to disk when fsync is on and `sync`."""
+        """Write `item` to a fresh file in tmp/. With fsync on it is flushed to disk, or with
+        `sync=False` only sent on its way there, for `_sync_files` to wait for."""
         tmp, fd = self._open_tmp(queue, item, mode=mode, mtime=mtime)
         try:
             if self.fsync and sync:
                 os.fsync(fd)
+            elif self.fsync and _START_WRITEBACK:
+                # starts writing the file out now, without waiting; the page stays cached
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         except BaseException:
             _unlink_quietly(tmp)
             raise
@@ -588,14 +590,12 @@ class Store:
         return tmp, fd
 
     def _sync_files(self, paths: list[str]) -> None:
-        """Flush written files to disk (when fsync is on). Many at once go in parallel: the file
-        system commits concurrent flushes together, at about a third of the cost each."""
-        if not self.fsync:
-            return
-        if len(paths) == 1:
-            _fsync_path(paths[0])
-        else:
-            list(_sync_threads().map(_fsync_path, paths))
+        """Flush files written with `_write_tmp(sync=False)` (when fsync is on). They are on their
+        way to disk already, so each flush mostly finds its work done: a batch costs about half
+        as much per file as flushing each in turn, with half the CPU of flushing all in parallel."""
+        if self.fsync:
+            for path in paths:
+                _fsync_path(path)
 
     def _sync_dir(self, directory: str) -> None:
         if self.fsync:
@@ -1249,11 +1249,6 @@ def _fsync_path(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-@functools.cache
-def _sync_threads() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(max_workers=SYNC_THREADS, thread_name_prefix="fsync")
 
 
 def _identity(path: str) -> tuple[int, int, int]:
