@@ -6,7 +6,7 @@ import asyncio
 from .. import ids
 from ..events import hub
 from ..exceptions import InvalidRequest, ItemNotFound, UnknownQueue
-from ..runtime import get_registry, get_store, in_store_thread
+from ..runtime import get_registry, get_store, in_scan_thread, in_store_thread
 from ..services import describe_queue
 from .answers import Answer
 from .auth import PRODUCE, WORK, authenticate, authorize
@@ -53,7 +53,7 @@ async def health(request: Request) -> Answer:
         database = await asyncio.wait_for(get_registry().aping_database(), HEALTH_TIMEOUT_SECONDS)
     except asyncio.TimeoutError:
         database = False
-    data_directory = await in_store_thread(get_store().check_writable)
+    data_directory = await in_scan_thread(get_store().check_writable)
     if database and data_directory:
         return Answer(200, {"ok": True})
     return Answer(503, {"ok": False, "database": database, "dataDirectory": data_directory})
@@ -74,14 +74,14 @@ async def list_queues(request: Request) -> Answer:
         now = store.clock()
         return [describe_queue(c, store.count_items(queue=c.name), now) for c in configs]
 
-    return Answer(200, {"queues": await in_store_thread(describe_all)})
+    return Answer(200, {"queues": await in_scan_thread(describe_all)})
 
 
 @router.add("GET", "/api/queues/{queue}")
 async def queue_stats(request: Request, queue: str) -> Answer:
     config = await authorize(request, queue, PRODUCE, WORK)
     store = get_store()
-    counts = await in_store_thread(store.count_items, queue=queue)
+    counts = await in_scan_thread(store.count_items, queue=queue)
     return Answer(200, describe_queue(config, counts, store.clock()))
 
 
