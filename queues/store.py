@@ -961,10 +961,27 @@ class Store:
         if not os.path.isdir(self._dir(queue, "done")):
             raise ItemNotFound(f"no item {item_id} in queue {queue}")
         with self._item_lock(queue, item_id), self._storage_errors():
-            state, item = self._find(queue, item_id)
-            if fetch and state == "done":
-                self._mark_fetched(queue, item_id, restart_clock=retain_from == "fetched")
-            return item
+            return self._read_to_answer(queue, item_id, fetch, retain_from)
+
+    def read_item_unlocked(
+        self, *, queue: str, item_id: str, fetch: bool = False, retain_from: str = "finished"
+    ) -> Item | None:
+        """`read_item` without the item's lock, for the event loop, which must never wait for a
+        transition on the disk. Every file is whole (written aside, then renamed or linked in),
+        so what it reads is true; but a move under way may hide the item from all three states
+        for an instant: then it answers None, and `read_item` must be asked."""
+        self._valid_id(queue, item_id)
+        try:
+            with self._storage_errors():
+                return self._read_to_answer(queue, item_id, fetch, retain_from)
+        except ItemNotFound:
+            return None
+
+    def _read_to_answer(self, queue: str, item_id: str, fetch: bool, retain_from: str) -> Item:
+        state, item = self._find(queue, item_id)
+        if fetch and state == "done":
+            self._mark_fetched(queue, item_id, restart_clock=retain_from == "fetched")
+        return item
 
     def _mark_fetched(self, queue: str, item_id: str, *, restart_clock: bool) -> None:
         path = self._path(queue, "done", item_id)

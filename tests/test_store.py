@@ -411,6 +411,22 @@ def test_a_result_whose_item_was_claimed_again_while_its_batch_was_written_count
     assert files_in(store, "tmp") == []
 
 
+def test_an_unlocked_read_sees_what_a_locked_one_sees_and_none_for_an_item_mid_move(store, clock, config):
+    (item_id,) = post(store, "p")
+    assert store.read_item_unlocked(queue=Q, item_id=item_id) == store.read_item(queue=Q, item_id=item_id)
+    claimed = claim_one(store, config)
+    assert store.read_item_unlocked(queue=Q, item_id=item_id) == claimed
+    assert store.finish_item(config=config, item_id=item_id, result=7).accepted
+    done = store.read_item_unlocked(queue=Q, item_id=item_id, fetch=True)
+    assert (done.status, done.result) == ("finished", 7)
+    assert os.stat(queue_dir(store) / "done" / f"{item_id}.json").st_mode & 0o040  # fetched
+    # between directories, as a rename in another process would leave it for an instant
+    os.rename(queue_dir(store) / "done" / f"{item_id}.json", queue_dir(store) / "tmp" / "moving.json")
+    assert store.read_item_unlocked(queue=Q, item_id=item_id) is None
+    with pytest.raises(ItemNotFound):
+        store.read_item(queue=Q, item_id=item_id)
+
+
 def test_attempts_count_the_claims(store, clock, config):
     """G5: claim, release, claim, lapse and re-queue, claim: three claims."""
     (item_id,) = post(store)
