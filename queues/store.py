@@ -71,6 +71,7 @@ _UNFETCHED_MODE = 0o600
 _FETCHED_MODE = 0o640  # the group-read bit marks a done item as fetched
 _LOCK_STRIPES = 256
 INDEX_CAPACITY = 100_000  # pending ids one process keeps in memory per queue
+_READ_SIZE = 1 << 16
 _CHUNK = 10_000  # names handled at once, so a large directory never costs much memory
 
 log = logging.getLogger(__name__)
@@ -454,6 +455,8 @@ class Store:
         self._ready: dict[str, str] = {}  # queues whose directories exist -> their directory
         self._setup_lock = threading.Lock()
         self.claim_xattrs = hasattr(os, "setxattr")  # False once the file system refuses them
+        self._tally_files: dict[tuple[str, str], tuple[int, int]] = {}  # (queue, status) -> (minute, fd)
+        self._tally_lock = threading.Lock()
 
     # ---- paths: the only place a path is built -------------------------------------------
     # Plain strings, not pathlib objects: building a Path costs several times more, and a
@@ -520,6 +523,7 @@ class Store:
             self._ready.pop(queue, None)
         if locks:
             locks.close()
+        self._close_tallies(queue)
         shutil.rmtree(directory, ignore_errors=True)
 
     def _item_lock(self, queue: str, item_id: str):
@@ -604,9 +608,12 @@ class Store:
     def _read(self, queue: str, state: str, item_id: str) -> Item:
         """Read one file; FileNotFoundError if it is not there, quarantined if unreadable."""
         path = self._path(queue, state, item_id)
-        with open(path, "rb") as handle:
-            raw = handle.read()
-            record = self._claim_record(handle.fileno()) if state != "done" else None
+        fd = os.open(path, os.O_RDONLY)  # not open(): a buffered file costs four more system calls
+        try:
+            raw = _read_all(fd)
+            record = self._claim_record(fd) if state != "done" else None
+        finally:
+            os.close(fd)
         try:
             item = _decode(raw, state=state)
             if item.id != item_id or item.queue != queue:
@@ -1168,13 +1175,26 @@ class Store:
 
     def _tally(self, queue: str, status: str, at: float) -> None:
         """Count one item ended: one byte appended to the minute's tally. O_APPEND writes are
-        atomic, so every process and sweeper can count into the same file."""
-        path = f"{self._dir(queue, 'stats')}/{int(at // 60)}.{status}"
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-        try:
+        atomic, so every process and sweeper can count into the same file. The file of the
+        current minute stays open, so a count is one write."""
+        minute = int(at // 60)
+        with self._tally_lock:
+            open_minute, fd = self._tally_files.get((queue, status), (None, -1))
+            if open_minute != minute:
+                path = f"{self._dir(queue, 'stats')}/{minute}.{status}"
+                new_fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+                if open_minute is not None:
+                    os.close(fd)
+                self._tally_files[(queue, status)] = minute, new_fd
+                fd = new_fd
             os.write(fd, b".")
-        finally:
-            os.close(fd)
+
+    def _close_tallies(self, queue: str) -> None:
+        with self._tally_lock:
+            for status in ("finished", "failed"):
+                _, fd = self._tally_files.pop((queue, status), (None, -1))
+                if fd >= 0:
+                    os.close(fd)
 
     def throughput(self, *, queue: str, minutes: int = 15) -> list[tuple[float, int, int]]:
         """(minute start, finished, failed) for each of the last `minutes` minutes, oldest first."""
@@ -1258,6 +1278,16 @@ class _Prepared:
     source: str  # the item's file when it was read
     identity: tuple[int, int, int]  # of `source` then: any transition since replaced the file
     outcome: FinishOutcome  # once linked
+
+
+def _read_all(fd: int) -> bytes:
+    chunk = os.read(fd, _READ_SIZE)
+    if len(chunk) < _READ_SIZE:  # the usual small file: one read
+        return chunk
+    chunks = [chunk]
+    while chunk := os.read(fd, _READ_SIZE):
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def _fsync_path(path: str) -> None:
