@@ -20,7 +20,7 @@ from . import ids
 from .api.fields import integer_field, json_object, number_field, parse_json
 from .events import hub
 from .exceptions import Forbidden, InvalidRequest, PayloadTooLarge, TaskhosterError, UnknownQueue
-from .runtime import get_registry, get_store, in_store_thread
+from .runtime import get_registry, get_store, in_store_thread, in_store_threads
 from .store import QueueConfig, Store
 
 log = logging.getLogger(__name__)
@@ -92,19 +92,26 @@ def result_field(body: dict):
     return body["result"]
 
 
-def finish_all(store: Store, entries: list[tuple[QueueConfig, str, object]]) -> list:
-    """Hand in each result, in one store batch per queue (one disk sync each); an item's own
-    trouble (unknown id, too large) is its outcome, in the order of `entries`."""
+def begin_finish_all(store: Store, entries: list[tuple[QueueConfig, str, object]]):
+    """Begin handing in each result, in one store batch per queue (one disk sync each); the
+    second half, returned, gives each item's outcome (its own trouble, such as an unknown id or
+    a result too large, included) in the order of `entries`."""
     positions: dict[str, list[int]] = {}
     for position, (config, _, _) in enumerate(entries):
         positions.setdefault(config.name, []).append(position)
-    outcomes: list = [None] * len(entries)
+    commits = []
     for wanted in positions.values():
         config = entries[wanted[0]][0]
-        settled = store.finish_items(config=config, results=[entries[p][1:] for p in wanted])
-        for position, outcome in zip(wanted, settled):
-            outcomes[position] = outcome
-    return outcomes
+        commits.append((wanted, store.begin_finish(config=config, results=[entries[p][1:] for p in wanted])))
+
+    def commit_all() -> list:
+        outcomes: list = [None] * len(entries)
+        for wanted, commit in commits:
+            for position, outcome in zip(wanted, commit()):
+                outcomes[position] = outcome
+        return outcomes
+
+    return commit_all
 
 
 def requeue_all(store: Store, held: dict[tuple[str, str], str]) -> dict[str, int]:
@@ -278,8 +285,8 @@ class WorkConsumer(AsyncWebsocketConsumer):
             json_object(entry, allowed=RESULT_FIELDS, what="each result")
             parsed.append((string_field(entry, "queue"), string_field(entry, "id"), result_field(entry)))
         configs = {name: await self.work_queue(name) for name in {name for name, _, _ in parsed}}
-        outcomes = await in_store_thread(
-            finish_all, get_store(), [(configs[name], item_id, result) for name, item_id, result in parsed]
+        outcomes = await in_store_threads(
+            begin_finish_all, get_store(), [(configs[name], item_id, result) for name, item_id, result in parsed]
         )
         acks = []
         by_queue: dict[str, list] = {}

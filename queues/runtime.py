@@ -17,6 +17,9 @@ from .store import Store
 # server's CPU per item halved). Calls that may read a whole directory (counts, listings,
 # health) run beside them, so a big queue's count never holds up a post.
 _store_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="store")
+# A batch's second half (waiting for its files to reach the disk, then moving them into place)
+# runs here, so the store's thread meanwhile writes the next batch (see Store.begin_post).
+_flush_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="store-flush")
 _scan_threads = ThreadPoolExecutor(max_workers=4, thread_name_prefix="store-scan")
 
 
@@ -41,6 +44,16 @@ async def in_store_thread(function, /, *args, **kwargs):
     """Run a store transition or a one-item read off the event loop."""
     loop = asyncio.get_running_loop()
     return await loop.run_in_executor(_store_thread, partial(function, *args, **kwargs))
+
+
+async def in_store_threads(begin, /, *args, **kwargs):
+    """Run a batch transition in two halves: `begin` (a Store.begin_* method) in the store's
+    thread, then the half it returns in the flush thread."""
+    loop = asyncio.get_running_loop()
+    finish = await loop.run_in_executor(_store_thread, partial(begin, *args, **kwargs))
+    # with fsync off there is no wait on the disk to overlap: a second thread would only vie
+    # for the GIL
+    return await loop.run_in_executor(_flush_thread if get_store().fsync else _store_thread, finish)
 
 
 async def in_scan_thread(function, /, *args, **kwargs):

@@ -562,15 +562,12 @@ class Store:
     def _write_tmp(
         self, queue: str, item: Item, *, mode: int = 0o600, mtime: float | None = None, sync: bool = True
     ) -> str:
-        """Write `item` to a fresh file in tmp/. With fsync on it is flushed to disk, or with
-        `sync=False` only sent on its way there, for `_sync_files` to wait for."""
+        """Write `item` to a fresh file in tmp/, flushed to disk when fsync is on and `sync`
+        (else `_sync_files` does it later)."""
         tmp, fd = self._open_tmp(queue, item, mode=mode, mtime=mtime)
         try:
             if self.fsync and sync:
                 os.fsync(fd)
-            elif self.fsync and _START_WRITEBACK:
-                # starts writing the file out now, without waiting; the page stays cached
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         except BaseException:
             _unlink_quietly(tmp)
             raise
@@ -594,12 +591,17 @@ class Store:
         return tmp, fd
 
     def _sync_files(self, paths: list[str]) -> None:
-        """Flush files written with `_write_tmp(sync=False)` (when fsync is on). They are on their
-        way to disk already, so each flush mostly finds its work done: a batch costs about half
-        as much per file as flushing each in turn, with half the CPU of flushing all in parallel."""
-        if self.fsync:
+        """Flush files written with `_write_tmp(sync=False)` (when fsync is on). All are sent on
+        their way to disk first, then each is waited for, mostly finding its work done: about
+        half the time a file of flushing each in turn, and half the CPU of flushing them all in
+        parallel threads."""
+        if not self.fsync:
+            return
+        if len(paths) > 1 and _START_WRITEBACK:
             for path in paths:
-                _fsync_path(path)
+                _start_writeback(path)
+        for path in paths:
+            _fsync_path(path)
 
     def _sync_dir(self, directory: str) -> None:
         if self.fsync:
@@ -692,7 +694,28 @@ class Store:
 
     def post_items(self, *, queue: str, payloads: list[Any]) -> list[Item]:
         """Post a batch, all or nothing: each file is written to tmp/ first, and only when all
-        are written are they moved to pending/."""
+        are written (and on disk) are they moved to pending/."""
+        if isinstance(payloads, list) and len(payloads) == 1:
+            self._check_size(payloads[0], "payload")
+            self.ensure_queue(queue)
+            item = Item(id=self._ids.new_ids(1, self.clock())[0], queue=queue, status="pending", payload=payloads[0])
+            target = None
+            try:
+                with self._storage_errors():
+                    target = self._post_one(queue, item)
+                    self._sync_dir(self._dir(queue, "pending"))
+            except BaseException:
+                if target is not None:
+                    _unlink_quietly(target)
+                raise
+            self._index(queue).push([item.id])
+            return [item]
+        return self.begin_post(queue=queue, payloads=payloads)()
+
+    def begin_post(self, *, queue: str, payloads: list[Any]) -> Callable[[], list[Item]]:
+        """The first half of posting a batch: check it and write its files to tmp/, on their way
+        to disk. The second half, returned, waits until they are on disk, moves them to pending/
+        and gives the items; it may run on another thread while this one takes the next call."""
         if not isinstance(payloads, list) or not 1 <= len(payloads) <= MAX_BATCH:
             raise InvalidRequest(f"a batch holds 1 to {MAX_BATCH} items")
         for payload in payloads:
@@ -701,26 +724,33 @@ class Store:
         new_ids = self._ids.new_ids(len(payloads), self.clock())
         items = [Item(id=i, queue=queue, status="pending", payload=p) for i, p in zip(new_ids, payloads)]
         written: list[str] = []
-        moved: list[str] = []
         try:
             with self._storage_errors():
-                if len(items) == 1:
-                    moved.append(self._post_one(queue, items[0]))
-                else:
-                    for item in items:
-                        written.append(self._write_tmp(queue, item, sync=False))
-                    self._sync_files(written)  # in parallel: tmp/ files are this call's alone
+                for item in items:
+                    written.append(self._write_tmp(queue, item, sync=False))
+        except BaseException:
+            for path in written:
+                _unlink_quietly(path)
+            raise
+
+        def publish() -> list[Item]:
+            moved: list[str] = []
+            try:
+                with self._storage_errors():
+                    self._sync_files(written)  # flushed in tmp/, where nobody else moves them
                     for item, tmp in zip(items, written):
                         target = self._path(queue, "pending", item.id)
                         os.rename(tmp, target)
                         moved.append(target)
-                self._sync_dir(self._dir(queue, "pending"))
-        except BaseException:
-            for path in written + moved:
-                _unlink_quietly(path)
-            raise
-        self._index(queue).push(item.id for item in items)
-        return items
+                    self._sync_dir(self._dir(queue, "pending"))
+            except BaseException:
+                for path in written + moved:
+                    _unlink_quietly(path)
+                raise
+            self._index(queue).push(item.id for item in items)
+            return items
+
+        return publish
 
     def _post_one(self, queue: str, item: Item) -> str:
         """Write one item into pending/; its path there. The file is flushed after its rename,
@@ -798,12 +828,18 @@ class Store:
     ) -> list[FinishOutcome | TaskhosterError]:
         """Hand in many (id, result) pairs of one queue, each as `finish_item` would, with one
         sync of done/ for the lot instead of one per item. Each pair's own trouble (an unknown
-        id, a result too large) is its outcome, in order.
+        id, a result too large) is its outcome, in order."""
+        return self.begin_finish(config=config, results=results)()
 
-        Each done file is written under its item's lock alone, then all are flushed at once (in
-        parallel); then the batch takes all its items' locks, links the files into done/ and
-        syncs done/ once, so nobody sees an item done before it would survive a power cut, and
-        claims wait only for that last step."""
+    def begin_finish(
+        self, *, config: QueueConfig, results: list[tuple[str, Any]]
+    ) -> Callable[[], list[FinishOutcome | TaskhosterError]]:
+        """The first half of `finish_items`: each result's done file written to tmp/ under its
+        item's lock alone, on its way to disk. The second half, returned, waits until they are
+        on disk, then takes all the batch's locks, links the files into done/ and syncs done/
+        once, so nobody sees an item done before it would survive a power cut, and claims wait
+        only for that last step. It gives the outcomes, and may run on another thread while this
+        one takes the next call."""
         queue = config.name
         outcomes: list[FinishOutcome | TaskhosterError | None] = [None] * len(results)
         prepared: list[tuple[int, _Prepared]] = []
@@ -821,15 +857,24 @@ class Store:
                     outcomes[position] = ready
                 else:
                     prepared.append((position, ready))
-            if prepared:
-                with self._storage_errors():
-                    self._sync_files([ready.tmp for _, ready in prepared])
-                self._commit_all_done(config, results, prepared, outcomes)
         except BaseException:
             for _, ready in prepared:
                 _unlink_quietly(ready.tmp)
             raise
-        return outcomes
+
+        def commit() -> list[FinishOutcome | TaskhosterError]:
+            try:
+                if prepared:
+                    with self._storage_errors():
+                        self._sync_files([ready.tmp for _, ready in prepared])
+                    self._commit_all_done(config, results, prepared, outcomes)
+            except BaseException:
+                for _, ready in prepared:
+                    _unlink_quietly(ready.tmp)
+                raise
+            return outcomes
+
+        return commit
 
     def _prepare_done(
         self, config: QueueConfig, item_id: str, result: Any, *, sync: bool = True
@@ -1288,6 +1333,15 @@ def _read_all(fd: int) -> bytes:
     while chunk := os.read(fd, _READ_SIZE):
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+def _start_writeback(path: str) -> None:
+    """Start writing the file out, without waiting (its pages stay cached)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
 
 
 def _fsync_path(path: str) -> None:

@@ -6,7 +6,7 @@ import asyncio
 from .. import ids
 from ..events import hub
 from ..exceptions import InvalidRequest, ItemNotFound, UnknownQueue
-from ..runtime import get_registry, get_store, in_scan_thread, in_store_thread
+from ..runtime import get_registry, get_store, in_scan_thread, in_store_thread, in_store_threads
 from ..services import describe_queue
 from .answers import Answer
 from .auth import PRODUCE, WORK, authenticate, authorize
@@ -89,7 +89,10 @@ async def queue_stats(request: Request, queue: str) -> Answer:
 async def post_items(request: Request, queue: str) -> Answer:
     await authorize(request, queue, PRODUCE)
     payloads, batch = _payloads(json_object(await request.json(), allowed={"payload", "items"}))
-    items = await in_store_thread(get_store().post_items, queue=queue, payloads=payloads)
+    if batch:
+        items = await in_store_threads(get_store().begin_post, queue=queue, payloads=payloads)
+    else:
+        items = await in_store_thread(get_store().post_items, queue=queue, payloads=payloads)
     hub.items_available(queue, len(items))
     if batch:
         return Answer(201, {"items": [item.to_json() for item in items]})
