@@ -5,6 +5,7 @@ import builtins
 import errno
 import json
 import os
+import stat
 import threading
 import time
 from dataclasses import replace
@@ -41,6 +42,15 @@ def states_of(store: Store, item_id: str, queue: str = Q) -> list[str]:
 def files_in(store: Store, state: str, queue: str = Q) -> list[str]:
     directory = queue_dir(store, queue) / state
     return sorted(os.listdir(directory)) if directory.is_dir() else []
+
+
+def spares(store: Store) -> list[str]:
+    """Old item files kept in tmp/ to be written over (see Store._retire)."""
+    return [name for name in files_in(store, "tmp") if name.startswith("spare-")]
+
+
+def leftovers_in_tmp(store: Store) -> list[str]:
+    return [name for name in files_in(store, "tmp") if not name.startswith("spare-")]
 
 
 def post(store: Store, *payloads, queue: str = Q) -> list[str]:
@@ -408,7 +418,7 @@ def test_a_result_whose_item_was_claimed_again_while_its_batch_was_written_count
     done = store.read_item(queue=Q, item_id=item_id)
     assert (done.status, done.attempts, done.result) == ("finished", 2, "r")
     assert states_of(store, item_id) == ["done"]
-    assert files_in(store, "tmp") == []
+    assert leftovers_in_tmp(store) == []
 
 
 def test_an_unlocked_read_sees_what_a_locked_one_sees_and_none_for_an_item_mid_move(store, clock, config):
@@ -880,6 +890,72 @@ def test_tmp_files_older_than_an_hour_are_removed(store):
     assert files_in(store, "tmp") == ["fresh.json"]
 
 
+# ---- spare files ------------------------------------------------------------------------------
+
+
+def test_an_old_item_file_is_kept_as_a_spare_and_the_next_file_written_over_it(store, config):
+    (first,) = post(store, "x" * 300)
+    claim_one(store, config)
+    inode = (queue_dir(store) / "processing" / f"{first}.json").stat().st_ino
+    assert store.finish_item(config=config, item_id=first, result="r").accepted
+    assert states_of(store, first) == ["done"]
+    assert [os.stat(queue_dir(store) / "tmp" / name).st_ino for name in spares(store)] == [inode]
+
+    (second,) = post(store, {"small": 1})  # written over the spare: shorter, and never claimed
+    path = queue_dir(store) / "pending" / f"{second}.json"
+    assert path.stat().st_ino == inode and stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert json.loads(path.read_bytes())["payload"] == {"small": 1}
+    if store.claim_xattrs:
+        assert CLAIM_XATTR not in os.listxattr(path)  # the first item's claim record is gone
+    item = store.read_item(queue=Q, item_id=second)
+    assert (item.status, item.attempts, item.payload) == ("pending", 0, {"small": 1})
+    assert files_in(store, "tmp") == []
+    assert claim_one(store, config).attempts == 1
+
+
+def test_a_spare_kept_too_long_or_a_file_over_a_block_is_deleted_instead(store, config, monkeypatch):
+    big, small = post(store, "x" * 900, "y")
+    monkeypatch.setattr(store_module, "_SPARE_MAX_BYTES", 500)  # as a file over a block is
+    for item in store.claim_items(config=config, max_items=2):
+        store.finish_item(config=config, item_id=item.id, result=None)
+    assert len(spares(store)) == 1  # the small item's file only
+    monkeypatch.setattr(store_module, "SPARE_SECONDS", -1)  # every spare is too old now
+    (third,) = post(store, "z")
+    assert files_in(store, "tmp") == []
+    assert store.read_item(queue=Q, item_id=third).payload == "z"
+
+
+def test_a_process_keeps_a_bounded_number_of_spares(store, config, monkeypatch):
+    monkeypatch.setattr(store_module, "SPARES_PER_QUEUE", 2)
+    posted = post(store, 1, 2, 3, 4)
+    store.claim_items(config=config, max_items=4)
+    store.finish_items(config=config, results=[(i, None) for i in posted])
+    assert len(spares(store)) == 2 and all(states_of(store, i) == ["done"] for i in posted)
+
+
+def test_spares_not_written_over_in_time_are_deleted_by_the_sweep_and_retention_keeps_none(
+    store, clock, config, monkeypatch
+):
+    (item_id,) = post(store)
+    claim_one(store, config)
+    store.finish_item(config=config, item_id=item_id, result=None)  # its processing file: a spare
+    clock.advance(config.retain_seconds + 1)
+    store.sweep_queue(config=config)
+    assert states_of(store, item_id) == [] and len(spares(store)) == 1  # retention deletes
+    monkeypatch.setattr(store_module, "SPARE_SECONDS", -1)
+    store.sweep_queue(config=config)
+    assert files_in(store, "tmp") == []  # no old payload lingers
+
+
+def test_a_spare_is_not_removed_as_stale_before_it_is_written_over(store, config):
+    (item_id,) = post(store)
+    claim_one(store, config)  # its lease, a minute ahead, is its mtime
+    store.finish_item(config=config, item_id=item_id, result=None)
+    [spare] = spares(store)
+    assert os.stat(queue_dir(store) / "tmp" / spare).st_mtime == pytest.approx(time.time(), abs=5)
+    assert store.remove_stale_tmp(queue=Q) == 0
+
+
 # ---- durability ------------------------------------------------------------------------------
 
 
@@ -947,7 +1023,7 @@ def test_a_batch_removes_old_files_only_after_done_is_synced(tmp_path, clock, co
     store = Store(tmp_path / "synced", fsync=True, clock=clock)
     batch = post(store, 1, 2)
     events: list[str] = []
-    real_fsync, real_unlink = os.fsync, os.unlink
+    real_fsync, real_unlink, real_rename = os.fsync, os.unlink, os.rename
 
     def fsync(fd):
         events.append("dir" if os.path.isdir(f"/proc/self/fd/{fd}") else "file")
@@ -957,10 +1033,18 @@ def test_a_batch_removes_old_files_only_after_done_is_synced(tmp_path, clock, co
         events.append("unlink " + Path(path).parent.name)
         real_unlink(path, *args, **kwargs)
 
+    def rename(source, target, *args, **kwargs):
+        if Path(target).name.startswith("spare-"):
+            events.append("kept as a spare: " + Path(source).parent.name)
+        real_rename(source, target, *args, **kwargs)
+
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(os, "unlink", unlink)
+    monkeypatch.setattr(os, "rename", rename)
     store.finish_items(config=config, results=[(i, "r") for i in batch])
-    assert events == ["file", "file", "unlink tmp", "unlink tmp", "dir", "unlink pending", "unlink pending"]
+    assert events == [
+        "file", "file", "unlink tmp", "unlink tmp", "dir", "kept as a spare: pending", "kept as a spare: pending"
+    ]
 
 
 # ---- unsafe input ----------------------------------------------------------------------------
