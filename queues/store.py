@@ -579,20 +579,34 @@ class Store:
             raise StorageUnavailable(f"the data directory cannot be written: {exc.strerror}") from exc
 
     def _write_tmp(
-        self, queue: str, item: Item, *, mode: int = 0o600, mtime: float | None = None, sync: bool = True
+        self,
+        queue: str,
+        item: Item,
+        *,
+        mode: int = 0o600,
+        mtime: float | None = None,
+        sync: bool = True,
+        then_move_to: str | None = None,
     ) -> str:
-        """Write `item` to a fresh file in tmp/, flushed to disk when fsync is on and `sync`
-        (else `_sync_files` does it later)."""
+        """Write `item` to a fresh file in tmp/ (or over a spare), flushed to disk when fsync is
+        on and `sync` (else `_sync_files` does it later); where it ends up. With `then_move_to`
+        it is renamed there before the flush, which goes through the descriptor it was written
+        with (by then a claim may have moved it on): the file system then commits the file and
+        its name at once, one commit where flushing first takes two."""
         tmp, fd = self._open_tmp(queue, item, mode=mode, mtime=mtime)
+        path = tmp
         try:
+            if then_move_to is not None:
+                os.rename(tmp, then_move_to)
+                path = then_move_to
             if self.fsync and sync:
                 os.fsync(fd)
         except BaseException:
-            _unlink_quietly(tmp)
+            _unlink_quietly(path)
             raise
         finally:
             os.close(fd)
-        return tmp
+        return path
 
     def _open_tmp(self, queue: str, item: Item, *, mode: int = 0o600, mtime: float | None = None) -> tuple[str, int]:
         """Write `item` to a fresh file in tmp/; its path and its descriptor, still open."""
@@ -781,19 +795,19 @@ class Store:
 
     def post_items(self, *, queue: str, payloads: list[Any]) -> list[Item]:
         """Post a batch, all or nothing: each file is written to tmp/ first, and only when all
-        are written (and on disk) are they moved to pending/."""
+        are written (and on disk) are they moved to pending/. A single item is moved first and
+        flushed after (see `_write_tmp`): nobody is told of it before it is on disk."""
         if isinstance(payloads, list) and len(payloads) == 1:
             self._check_size(payloads[0], "payload")
             self.ensure_queue(queue)
             item = Item(id=self._ids.new_ids(1, self.clock())[0], queue=queue, status="pending", payload=payloads[0])
-            target = None
+            target = self._path(queue, "pending", item.id)
             try:
                 with self._storage_errors():
-                    target = self._post_one(queue, item)
+                    self._write_tmp(queue, item, then_move_to=target)
                     self._sync_dir(self._dir(queue, "pending"))
             except BaseException:
-                if target is not None:
-                    _unlink_quietly(target)
+                _unlink_quietly(target)
                 raise
             self._index(queue).push([item.id])
             return [item]
@@ -838,23 +852,6 @@ class Store:
             return items
 
         return publish
-
-    def _post_one(self, queue: str, item: Item) -> str:
-        """Write one item into pending/; its path there. The file is flushed after its rename,
-        through the descriptor it was written with (by then a claim may have moved it): the
-        journal then commits file and name at once, one commit where flushing first takes two."""
-        tmp, fd = self._open_tmp(queue, item)
-        target = self._path(queue, "pending", item.id)
-        try:
-            os.rename(tmp, target)
-            if self.fsync:
-                os.fsync(fd)
-        except BaseException:
-            _unlink_quietly(tmp)
-            raise
-        finally:
-            os.close(fd)
-        return target
 
     def claim_items(self, *, config: QueueConfig, max_items: int = 1) -> list[Item]:
         """Claim up to `max_items` pending items, oldest first, each under a lease and a claim
