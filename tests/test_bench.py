@@ -147,3 +147,36 @@ def test_cpu_seconds_reads_what_a_process_has_used():
     while time.process_time() < burn_until:
         pass
     assert cpu_seconds(os.getpid()) >= before + 0.03
+
+
+def test_the_lean_producer_asks_again_on_a_new_connection_when_the_server_closed_an_idle_one():
+    """The bench's own HTTP client: answers with Content-Length on a kept-alive connection, and a
+    server that closed the connection between two requests (its keep-alive ran out)."""
+    import socket
+    import threading
+
+    from queues.bench.lean_client import LeanProducer
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    answers = [b'{"n":1}', b'{"n":2}', b'{"n":3}']
+    requests = []
+
+    def serve() -> None:
+        for per_connection in (2, 1):  # the first connection closes after two answers
+            connection, _ = listener.accept()
+            with connection:
+                for _ in range(per_connection):
+                    data = b""
+                    while b"\r\n\r\n" not in data:
+                        data += connection.recv(65536)
+                    requests.append(data.split(b"\r\n", 1)[0])
+                    body = answers.pop(0)
+                    connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    with LeanProducer(f"http://127.0.0.1:{listener.getsockname()[1]}", "th_x", timeout=5) as producer:
+        assert [producer.stats("jobs")["n"] for _ in range(3)] == [1, 2, 3]
+    thread.join(5)
+    listener.close()
+    assert requests == [b"GET /api/queues/jobs HTTP/1.1"] * 3
