@@ -56,3 +56,25 @@ def _isolated_data_dir(settings, tmp_path):
     yield
     get_store.cache_clear()
     get_registry.cache_clear()
+
+
+@pytest.fixture
+def post_lands_mid_claim(monkeypatch) -> list[str]:
+    """The first claim of the test finds the "jobs" queue empty, then an item is posted (and the
+    hub told) before the claim can wait: the race a waiting claim must not lose. The posted
+    ids, once posted."""
+    from queues.events import hub
+
+    store = get_store()
+    real_claim = store.claim_items
+    posted: list[str] = []
+
+    def claim_then_post(**kwargs):
+        items = real_claim(**kwargs)
+        if not posted:
+            posted.extend(item.id for item in store.post_items(queue="jobs", payloads=["late"]))
+            hub.items_available("jobs", 1)
+        return items
+
+    monkeypatch.setattr(store, "claim_items", claim_then_post)
+    return posted

@@ -143,24 +143,12 @@ async def test_a_waiting_claim_answers_within_a_second_of_a_post(api, queues, to
 
 
 async def test_a_post_that_lands_while_the_claim_looks_at_the_disk_still_wakes_it(
-    api, queues, tokens, rare_rereads, monkeypatch
+    api, queues, tokens, rare_rereads, post_lands_mid_claim
 ):
-    store = get_store()
-    real_claim = store.claim_items
-    posted = []
-
-    def claim_then_post(**kwargs):  # the post comes after the disk was found empty, before the wait
-        items = real_claim(**kwargs)
-        if not posted:
-            posted.extend(item.id for item in store.post_items(queue="jobs", payloads=["late"]))
-            hub.items_available("jobs", 1)
-        return items
-
-    monkeypatch.setattr(store, "claim_items", claim_then_post)
     answer = await asyncio.wait_for(
         api.post("/api/queues/jobs/claim", json={"wait": 20}, headers=bearer(tokens["all"])), timeout=5
     )
-    assert [i["id"] for i in answer.json()["items"]] == posted
+    assert [i["id"] for i in answer.json()["items"]] == post_lands_mid_claim
 
 
 async def test_a_waiting_claim_answers_no_items_when_the_wait_ends(api, queues, tokens):

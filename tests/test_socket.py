@@ -417,22 +417,13 @@ async def test_a_waiting_claim_is_woken_by_a_post(token, no_recheck):
     assert answer["ref"] == "w" and [item["id"] for item in answer["items"]] == ids
 
 
-async def test_a_post_that_lands_while_the_claim_looks_at_the_disk_still_wakes_it(token, no_recheck, monkeypatch):
-    store = get_store()
-    real_claim = store.claim_items
-    posted = []
-
-    def claim_then_post(**kwargs):  # the post comes after the disk was found empty, before the wait
-        items = real_claim(**kwargs)
-        if not posted:
-            posted.extend(post("jobs", "late"))
-        return items
-
-    monkeypatch.setattr(store, "claim_items", claim_then_post)
+async def test_a_post_that_lands_while_the_claim_looks_at_the_disk_still_wakes_it(
+    token, no_recheck, post_lands_mid_claim
+):
     async with connected(token) as ws:
         await ws.send_json_to({"op": "claim", "queue": "jobs", "wait": 60, "ref": "w"})
         answer = await ws.receive_json_from(timeout=TIMEOUT)
-    assert [item["id"] for item in answer["items"]] == posted
+    assert [item["id"] for item in answer["items"]] == post_lands_mid_claim
 
 
 async def test_a_waiting_claim_rechecks_the_disk_without_a_wake_up(token):
