@@ -284,6 +284,29 @@ class _ItemLocks:
                 fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, stripe)
 
     @contextmanager
+    def hold_if_free(self, item_id: str) -> Iterator[bool]:
+        """Hold the item's lock if no thread or process holds it now (True), never waiting."""
+        stripe = _stripe(item_id)
+        lock = self._threads[stripe]
+        if not lock.acquire(blocking=False):
+            yield False
+            return
+        try:
+            try:
+                fcntl.lockf(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, stripe)
+            except OSError as exc:
+                if exc.errno not in (errno.EAGAIN, errno.EACCES):
+                    raise
+                yield False
+                return
+            try:
+                yield True
+            finally:
+                fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, stripe)
+        finally:
+            lock.release()
+
+    @contextmanager
     def hold_all(self, item_ids: Iterable[str]) -> Iterator[None]:
         """Hold many items' locks at once. Stripes are taken in ascending order, and every other
         holder holds one stripe or takes them in the same order, so no two wait for each other."""
@@ -1101,27 +1124,35 @@ class Store:
         if not os.path.isdir(self._dir(queue, "done")):
             raise ItemNotFound(f"no item {item_id} in queue {queue}")
         with self._item_lock(queue, item_id), self._storage_errors():
-            return self._read_to_answer(queue, item_id, fetch, retain_from)
+            state, item = self._find(queue, item_id)
+            if fetch and state == "done":
+                self._mark_fetched(queue, item_id, restart_clock=retain_from == "fetched")
+            return item
 
     def read_item_unlocked(
         self, *, queue: str, item_id: str, fetch: bool = False, retain_from: str = "finished"
     ) -> Item | None:
-        """`read_item` without the item's lock, for the event loop, which must never wait for a
-        transition on the disk. Every file is whole (written aside, then renamed or linked in),
-        so what it reads is true; but a move under way may hide the item from all three states
-        for an instant: then it answers None, and `read_item` must be asked."""
+        """`read_item` for the event loop, which must never wait for a transition on the disk:
+        None where `read_item` must be asked instead. Every file is whole (written aside, then
+        renamed or linked in), so a pending or processing item is read without its lock; but a
+        move under way may hide the item from all three states for an instant (None). A done
+        item is answered only under its lock, taken if free (else None): its file is linked into
+        done/ before done/ is synced, under that lock, and nobody may see an item done before a
+        power cut would leave it so."""
         self._valid_id(queue, item_id)
         try:
             with self._storage_errors():
-                return self._read_to_answer(queue, item_id, fetch, retain_from)
+                state, item = self._find(queue, item_id)
+                if state != "done":
+                    return item
+                with self._queue_locks(queue).hold_if_free(item_id) as held:
+                    if not held:
+                        return None
+                    if fetch:
+                        self._mark_fetched(queue, item_id, restart_clock=retain_from == "fetched")
+                    return item
         except ItemNotFound:
             return None
-
-    def _read_to_answer(self, queue: str, item_id: str, fetch: bool, retain_from: str) -> Item:
-        state, item = self._find(queue, item_id)
-        if fetch and state == "done":
-            self._mark_fetched(queue, item_id, restart_clock=retain_from == "fetched")
-        return item
 
     def _mark_fetched(self, queue: str, item_id: str, *, restart_clock: bool) -> None:
         path = self._path(queue, "done", item_id)

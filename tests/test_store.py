@@ -6,6 +6,8 @@ import errno
 import json
 import os
 import stat
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import replace
@@ -435,6 +437,39 @@ def test_an_unlocked_read_sees_what_a_locked_one_sees_and_none_for_an_item_mid_m
     assert store.read_item_unlocked(queue=Q, item_id=item_id) is None
     with pytest.raises(ItemNotFound):
         store.read_item(queue=Q, item_id=item_id)
+
+
+def test_an_unlocked_read_answers_a_done_item_only_when_nobody_holds_its_lock(store, config, tmp_path):
+    """A done file is linked before done/ is synced, under the item's lock: a read that cannot
+    take that lock at once must not show the item done (the store's thread asks instead)."""
+    (item_id,) = post(store, "p")
+    store.finish_item(config=config, item_id=item_id, result=1)
+    locks = store._queue_locks(Q)
+    with locks.hold(item_id):  # a thread of this process is committing it
+        assert store.read_item_unlocked(queue=Q, item_id=item_id, fetch=True) is None
+    lock_file = queue_dir(store) / ".lock"
+    holder = subprocess.Popen(  # another process is committing it
+        [sys.executable, "-c", HOLD_LOCK_BYTE, str(lock_file), str(store_module._stripe(item_id))],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert store.read_item_unlocked(queue=Q, item_id=item_id, fetch=True) is None
+    finally:
+        holder.communicate("", timeout=10)
+    assert not os.stat(queue_dir(store) / "done" / f"{item_id}.json").st_mode & 0o040  # not fetched yet
+    done = store.read_item_unlocked(queue=Q, item_id=item_id, fetch=True)
+    assert (done.status, done.result) == ("finished", 1)
+    assert os.stat(queue_dir(store) / "done" / f"{item_id}.json").st_mode & 0o040  # fetched now
+
+
+HOLD_LOCK_BYTE = """
+import fcntl, os, sys
+fd = os.open(sys.argv[1], os.O_RDWR)
+fcntl.lockf(fd, fcntl.LOCK_EX, 1, int(sys.argv[2]))
+print("held", flush=True)
+sys.stdin.read()
+"""
 
 
 def test_attempts_count_the_claims(store, clock, config):
