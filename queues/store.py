@@ -636,11 +636,17 @@ class Store:
         return path
 
     def _open_tmp(self, queue: str, item: Item, *, mode: int = 0o600, mtime: float | None = None) -> tuple[str, int]:
-        """Write `item` to a fresh file in tmp/; its path and its descriptor, still open."""
+        """Write `item` to a fresh file in tmp/ (or over a spare); its path and its descriptor,
+        still open."""
         tmp = f"{self._dir(queue, 'tmp')}/{item.id}.{secrets.token_hex(6)}.json"
         data = _encode(item)
         reused = self._take_spare(queue, tmp)
-        fd = os.open(tmp, os.O_WRONLY) if reused else os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+        try:
+            fd = os.open(tmp, os.O_WRONLY) if reused else os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+        except BaseException:
+            if reused:
+                _unlink_quietly(tmp)
+            raise
         try:
             os.write(fd, data)
             if reused:
