@@ -114,8 +114,9 @@ async def read_item(request: Request, queue: str, item_id: str) -> Answer:
         ended = hub.terminal_mark(queue)
         # a fetch is recorded only on a terminal item, and this read is the answer that shows it.
         # Read here on the event loop (one small file, never waiting for a lock: cheaper than a
-        # hop to the store's thread, and never queued behind a batch there); in the rare case
-        # that a move hides the item for an instant, read it under its lock in the store's thread
+        # hop to the store's thread, and never queued behind a batch there); an item a move hides
+        # for an instant, or a done item whose lock is taken (its result may not be on disk
+        # yet), is read under its lock in the store's thread
         item = store.read_item_unlocked(queue=queue, item_id=item_id, fetch=True, retain_from=config.retain_from)
         if item is None:
             item = await in_store_thread(
