@@ -461,7 +461,8 @@ class _Run:
     def _handed_in(self, task: asyncio.Task) -> None:
         if self.handing_in is task:
             self.handing_in = None
-            self._nudge()
+            if self.fatal is None:  # a hand-in that failed for good must not be sent again and again
+                self._nudge()
 
     async def _hand_in_batch(self, link: Link, batch: list[tuple[str, str, Any]]) -> None:
         try:

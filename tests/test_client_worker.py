@@ -521,3 +521,24 @@ def test_the_worker_reconnects_after_a_server_restart_and_every_item_finishes_on
         counts = producer.stats("restart")["counts"]
         assert counts == {"pending": 0, "processing": 0, "finished": 41, "failed": 0}
     assert any("connected again" in record.getMessage() for record in caplog.records)
+
+
+def test_a_hand_in_that_fails_for_good_stops_the_worker_and_is_not_sent_again(live, producer, monkeypatch):
+    sent = []
+    request = Link.request
+
+    async def broken_hand_in(self, frame, **options):
+        if frame["op"] in ("result", "results"):
+            sent.append(frame["op"])
+            raise RuntimeError("a bug in handing in")
+        return await request(self, frame, **options)
+
+    monkeypatch.setattr(Link, "request", broken_hand_in)
+    producer.post("basic", "once")
+    with pytest.raises(RuntimeError, match="a bug in handing in"):
+        with working(Worker(live.url, live.token, queues=["basic"]), lambda payload, job: payload):
+            deadline = time.monotonic() + 10
+            while not sent and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(0.5)  # time enough to send it again many times, were it sent again
+    assert sent == ["result"]
