@@ -136,9 +136,8 @@ def run_uvicorn(application, *, host: str, port: int, ready: Ready, background: 
     try:
         return loop.run_until_complete(main())
     finally:
-        loop.run_until_complete(loop.shutdown_asyncgens())
+        _finish_leftover_tasks(loop)  # uvicorn cancels what outlived the grace, but never awaits it
         asyncio.set_event_loop(None)
-        loop.close()
 
 
 def _new_event_loop() -> asyncio.AbstractEventLoop:
@@ -197,9 +196,10 @@ def run_daphne(application, *, host: str, port: int, ready: Ready, background: B
 
 
 def _finish_leftover_tasks(loop: asyncio.AbstractEventLoop) -> None:
-    """Cancel what the stopped reactor left suspended on its loop (a worker socket's pending
-    receive) and let it unwind, as asyncio.run does: collected at exit instead, such a coroutine
-    crashed the interpreter (SIGSEGV, exit status -11)."""
+    """Cancel what a stopped server left suspended on its loop (a worker socket's pending
+    receive, a socket's re-queue still on the store's thread) and let it unwind, as asyncio.run
+    does: collected at exit instead, such a coroutine crashed the interpreter under daphne
+    (SIGSEGV, exit status -11)."""
     tasks = asyncio.all_tasks(loop)
     for task in tasks:
         task.cancel()
