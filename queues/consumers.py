@@ -20,7 +20,7 @@ from . import ids
 from .api.fields import integer_field, json_object, number_field, parse_json
 from .events import hub
 from .exceptions import Forbidden, InvalidRequest, PayloadTooLarge, TaskhosterError, UnknownQueue
-from .runtime import get_registry, get_store, in_store_thread, in_store_threads
+from .runtime import claim_items, get_registry, get_store, in_store_thread, in_store_threads
 from .store import QueueConfig, Store
 
 log = logging.getLogger(__name__)
@@ -262,7 +262,7 @@ class WorkConsumer(AsyncWebsocketConsumer):
         return await asyncio.shield(task)
 
     async def claim_and_hold(self, config: QueueConfig, max_items: int) -> list:
-        items = await in_store_thread(get_store().claim_items, config=config, max_items=max_items)
+        items = await claim_items(config, max_items)
         for item in items:
             self.held[(config.name, item.id)] = item.claim_token
         return items

@@ -458,6 +458,8 @@ def test_an_unlocked_read_answers_a_done_item_only_when_nobody_holds_its_lock(st
     finally:
         holder.communicate("", timeout=10)
     assert not os.stat(queue_dir(store) / "done" / f"{item_id}.json").st_mode & 0o040  # not fetched yet
+    fresh = alongside(store)  # its locks are not made yet: making them may wait, so it defers
+    assert fresh.read_item_unlocked(queue=Q, item_id=item_id) is None
     done = store.read_item_unlocked(queue=Q, item_id=item_id, fetch=True)
     assert (done.status, done.result) == ("finished", 1)
     assert os.stat(queue_dir(store) / "done" / f"{item_id}.json").st_mode & 0o040  # fetched now

@@ -6,7 +6,7 @@ import asyncio
 from .. import ids
 from ..events import hub
 from ..exceptions import InvalidRequest, ItemNotFound, UnknownQueue
-from ..runtime import get_registry, get_store, in_scan_thread, in_store_thread, in_store_threads
+from ..runtime import claim_items, get_registry, get_store, in_scan_thread, in_store_thread, in_store_threads
 from ..services import describe_queue
 from .answers import Answer
 from .auth import PRODUCE, WORK, authenticate, authorize
@@ -136,7 +136,7 @@ async def claim(request: Request, queue: str) -> Answer:
     body = json_object(await request.json(when_empty={}), allowed={"max", "wait"})
     max_items = integer_field(body, "max", low=1, high=MAX_CLAIM, default=1)
     wait = number_field(body, "wait", low=0, high=MAX_WAIT_SECONDS, default=0)
-    store, registry, deadline = get_store(), get_registry(), _clock() + wait
+    registry, deadline = get_registry(), _clock() + wait
     if wait:
         request.watch_disconnect()
     while True:
@@ -145,7 +145,7 @@ async def claim(request: Request, queue: str) -> Answer:
         if config is None:
             raise UnknownQueue(f"queue {queue!r} was deleted")
         posted = hub.available_mark(queue)
-        items = await in_store_thread(store.claim_items, config=config, max_items=max_items)
+        items = await claim_items(config, max_items)
         remaining = deadline - _clock()
         if items or remaining <= 0 or request.gone:
             break
