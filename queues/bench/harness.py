@@ -22,6 +22,7 @@ from pathlib import Path
 
 from .lean_client import LeanProducer
 
+from ..serving import DEFAULT_SERVER
 from ..store import MAX_BATCH, Store
 from . import load, store_costs
 from .profiling import find_py_spy, recording
@@ -74,8 +75,7 @@ class BenchSettings:
             described["url"] = self.url
             return described
         described["fsync"] = [_label(fsync) for fsync in self.fsync]
-        if self.server:
-            described["server"] = self.server
+        described["server"] = self.server or DEFAULT_SERVER  # which one was measured, always
         if _disk_heavy(self):
             described["pendingSizes"] = list(self.pending_sizes)
         return described

@@ -33,11 +33,12 @@ class LeanProducer:
         reused = self._socket is not None
         try:
             status, headers, content = self._exchange(request)
-        except (ConnectionError, BrokenPipeError):
-            if not reused:
-                raise
-            # the server closed the idle connection before reading this request: ask again
+        except ConnectionError:
+            answered_in_part = bool(self._buffer)
             self.close()
+            if not reused or answered_in_part:
+                raise  # part of an answer came: the server took the request, so never send it twice
+            # the server closed the idle connection before reading this request: ask again
             status, headers, content = self._exchange(request)
         if headers.get(b"connection", b"").lower() == b"close":
             self.close()
@@ -77,8 +78,7 @@ class LeanProducer:
     def _receive(self, connection: socket.socket) -> None:
         chunk = connection.recv(READ_SIZE)
         if not chunk:
-            self.close()
-            raise ConnectionError("the server closed the connection in the middle of an answer")
+            raise ConnectionError("the server closed the connection before the answer ended")
         self._buffer += chunk
 
     def post(self, queue: str, payload) -> dict:
@@ -91,7 +91,7 @@ class LeanProducer:
         """The item once terminal (long-polling with GET ?wait), or as it is after `timeout`."""
         deadline = time.monotonic() + timeout
         while True:
-            step = max(0, min(60, round(deadline - time.monotonic())))
+            step = max(0.0, min(60.0, deadline - time.monotonic()))
             item = self._call("GET", f"/api/queues/{queue}/items/{item_id}?wait={step}")
             if item["status"] in TERMINAL or time.monotonic() >= deadline:
                 return item
