@@ -849,6 +849,10 @@ class Store:
             with self._storage_errors():
                 self._write_tmp(queue, item, then_move_to=target)
                 self._sync_dir(self._dir(queue, "pending"))
+                if self.fsync and not os.path.exists(target):
+                    # a claim moved it on before pending/ was synced, which then recorded it
+                    # gone: its name in processing/ must reach the disk before it is answered
+                    self._sync_dir(self._dir(queue, "processing"))
         except BaseException:
             _unlink_quietly(target)
             raise

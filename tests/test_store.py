@@ -1046,12 +1046,14 @@ def test_a_post_claimed_before_it_is_flushed_is_still_flushed_and_answered(tmp_p
         path = os.readlink(f"/proc/self/fd/{fd}")
         if "/pending/" in path and path.endswith(".json"):
             assert store.claim_items(config=config, max_items=1)  # another thread was quicker
-            flushed.append(os.readlink(f"/proc/self/fd/{fd}"))
+        flushed.append(os.readlink(f"/proc/self/fd/{fd}"))
         real_fsync(fd)
 
     monkeypatch.setattr(os, "fsync", claim_first)
     (item,) = store.post_items(queue=Q, payloads=["x"])
-    assert flushed == [os.fspath(queue_dir(store) / "processing" / f"{item.id}.json")]
+    # the file, pending/ (which recorded it gone), and processing/, where its name is now
+    here = queue_dir(store)
+    assert flushed == [os.fspath(path) for path in (here / "processing" / f"{item.id}.json", here / "pending", here / "processing")]
     assert states_of(store, item.id) == ["processing"]
 
 
