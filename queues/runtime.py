@@ -1,14 +1,18 @@
 """The process-wide objects built from settings, made lazily in one place."""
 
 import asyncio
+import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import lru_cache, partial
 
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 
+from .exceptions import TaskhosterError
 from .registry import Registry
 from .store import Store
+
+log = logging.getLogger(__name__)
 
 # Store calls block on the disk (fsync), so they run off the event loop. Transitions run one at
 # a time on one thread: each makes many short system calls, and every one of them hands the GIL
@@ -21,6 +25,9 @@ _store_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="store")
 # runs here, so the store's thread meanwhile writes the next batch (see Store.begin_post).
 _flush_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="store-flush")
 _scan_threads = ThreadPoolExecutor(max_workers=4, thread_name_prefix="store-scan")
+# at most this many items a claim takes on the event loop (~0.1 ms each), the rest in the
+# store's thread, so a big claim never stalls the loop for long
+CLAIMS_ON_LOOP = 8
 
 
 @lru_cache(maxsize=1)
@@ -69,9 +76,22 @@ async def in_scan_thread(function, /, *args, **kwargs):
 
 
 async def claim_items(config, max_items: int) -> list:
-    """Claim from the store's thread. A process's first claim on a queue lists its pending
-    directory first, beside that thread (1.7 s at a million items), so posts and results go on."""
+    """Claim on the event loop while that never waits (see Store.claim_items_now): a claim is a
+    rename and an xattr, cheaper than the hop to the store's thread and back (~0.15 ms here, more
+    when the machine is idle). The rest goes to the store's thread. A process's first claim on a
+    queue lists its pending directory first, beside that thread (1.7 s at a million items), so
+    posts and results go on."""
     store = get_store()
     if not store.pending_listed(queue=config.name):
         await in_scan_thread(store.list_pending, queue=config.name)
-    return await in_store_thread(store.claim_items, config=config, max_items=max_items)
+    claimed = store.claim_items_now(config=config, max_items=min(max_items, CLAIMS_ON_LOOP)) or []
+    if claimed and len(claimed) < min(max_items, CLAIMS_ON_LOOP):
+        return claimed  # it ran out of items (or met a busy one): asking the thread adds nothing
+    if len(claimed) < max_items:
+        try:
+            claimed += await in_store_thread(store.claim_items, config=config, max_items=max_items - len(claimed))
+        except TaskhosterError:
+            if not claimed:
+                raise
+            log.warning("a claim on %s stopped early", config.name, exc_info=True)
+    return claimed

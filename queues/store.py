@@ -616,34 +616,20 @@ class Store:
             raise StorageUnavailable(f"the data directory cannot be written: {exc.strerror}") from exc
 
     def _write_tmp(
-        self,
-        queue: str,
-        item: Item,
-        *,
-        mode: int = 0o600,
-        mtime: float | None = None,
-        sync: bool = True,
-        then_move_to: str | None = None,
+        self, queue: str, item: Item, *, mode: int = 0o600, mtime: float | None = None, sync: bool = True
     ) -> str:
         """Write `item` to a fresh file in tmp/ (or over a spare), flushed to disk when fsync is
-        on and `sync` (else `_sync_files` does it later); where it ends up. With `then_move_to`
-        it is renamed there before the flush, which goes through the descriptor it was written
-        with (by then a claim may have moved it on): the file system then commits the file and
-        its name at once, one commit where flushing first takes two."""
+        on and `sync` (else `_sync_files` does it later); its path."""
         tmp, fd = self._open_tmp(queue, item, mode=mode, mtime=mtime)
-        path = tmp
         try:
-            if then_move_to is not None:
-                os.rename(tmp, then_move_to)
-                path = then_move_to
             if self.fsync and sync:
                 os.fsync(fd)
         except BaseException:
-            _unlink_quietly(path)
+            _unlink_quietly(tmp)
             raise
         finally:
             os.close(fd)
-        return path
+        return tmp
 
     def _open_tmp(self, queue: str, item: Item, *, mode: int = 0o600, mtime: float | None = None) -> tuple[str, int]:
         """Write `item` to a fresh file in tmp/ (or over a spare); its path and its descriptor,
@@ -836,28 +822,60 @@ class Store:
 
     # ---- transitions ----------------------------------------------------------------------
 
-    def post_items(self, *, queue: str, payloads: list[Any]) -> list[Item]:
+    def post_items(
+        self, *, queue: str, payloads: list[Any], on_claimable: Callable[[], None] | None = None
+    ) -> list[Item]:
         """Post a batch, all or nothing: each file is written to tmp/ first, and only when all
         are written (and on disk) are they moved to pending/. A single item is moved first and
-        flushed after (see `_write_tmp`): nobody is told of it before it is on disk."""
+        flushed after (see `_flush_post`), and may be claimed meanwhile: `on_claimable` is
+        called then (from this thread), so a worker gets it while the disk catches up. Either
+        way the post returns only once it would survive a power cut."""
         items = self._new_items(queue, payloads)
         if len(items) > 1:
-            return self._begin_post(queue, items)()
+            posted = self._begin_post(queue, items)()
+            if on_claimable is not None:
+                on_claimable()
+            return posted
         (item,) = items
         target = self._path(queue, "pending", item.id)
+        with self._storage_errors():
+            tmp, fd = self._open_tmp(queue, item)
         try:
             with self._storage_errors():
-                self._write_tmp(queue, item, then_move_to=target)
-                self._sync_dir(self._dir(queue, "pending"))
-                if self.fsync and not os.path.exists(target):
-                    # a claim moved it on before pending/ was synced, which then recorded it
-                    # gone: its name in processing/ must reach the disk before it is answered
-                    self._sync_dir(self._dir(queue, "processing"))
+                try:
+                    os.rename(tmp, target)
+                except BaseException:
+                    _unlink_quietly(tmp)
+                    raise
+                self._index(queue).push([item.id])
+                if on_claimable is not None:
+                    on_claimable()
+                self._flush_post(queue, item.id, fd)
         except BaseException:
-            _unlink_quietly(target)
+            # unposted: take it back out, from processing/ too if it was claimed meanwhile
+            with self._item_lock(queue, item.id):
+                _unlink_quietly(target)
+                _unlink_quietly(self._path(queue, "processing", item.id))
             raise
-        self._index(queue).push([item.id])
+        finally:
+            os.close(fd)
         return items
+
+    def _flush_post(self, queue: str, item_id: str, fd: int) -> None:
+        """Flush a single post's file, through the descriptor it was written with, and the
+        directory that names it now: pending/, or processing/ if a claim moved it there
+        meanwhile (pending/ synced after that would record it gone). A claim after pending/ was
+        synced needs no flush: claims are not flushed anyway."""
+        if not self.fsync:
+            return
+        os.fsync(fd)
+        target = self._path(queue, "pending", item_id)
+        if os.path.exists(target):
+            self._sync_dir(self._dir(queue, "pending"))
+            if os.path.exists(target):
+                return
+        # claimed before pending/ was synced, or while it was
+        self._sync_dir(self._dir(queue, "processing"))
 
     def begin_post(self, *, queue: str, payloads: list[Any]) -> Callable[[], list[Item]]:
         """The first half of posting a batch: check it and write its files to tmp/, on their way
@@ -937,29 +955,68 @@ class Store:
             if not ids.is_valid_id(item_id):
                 continue
             with self._item_lock(queue, item_id), self._storage_errors():
-                if os.path.exists(self._path(queue, "done", item_id)):
-                    continue  # a copy a crash left behind: done wins, and the sweep removes it
-                try:
-                    self._move(queue, item_id, "pending", "processing")
-                    item = self._read(queue, "processing", item_id)
-                except FileNotFoundError:
-                    continue  # another claimant was first: try the next one
-                now = self.clock()
-                if now - item.posted_at > config.queue_seconds:
-                    self._fail_timed_out(queue, "processing", item, now)
-                    continue
-                item = replace(
-                    item,
-                    status="processing",
-                    attempts=item.attempts + 1,
-                    claimed_at=now,
-                    lease_expires_at=now + config.lease_seconds,
-                    claim_token=secrets.token_hex(8),  # tells this claim of the item from others
-                )
-                self._record_claim(queue, item)
-            claimed.append(item)
-            listed_in_vain = False
+                item = self._claim_held(config, item_id)
+            if item is not None:
+                claimed.append(item)
+                listed_in_vain = False
         return claimed
+
+    def claim_items_now(self, *, config: QueueConfig, max_items: int = 1) -> list[Item] | None:
+        """`claim_items` for the event loop, which must never wait: it claims while each step is
+        quick (the item's lock free at once, its id in this process's view, the item not past
+        its queue timeout, whose failing syncs the disk) and stops at the first that is not.
+        The items claimed; None if it claimed none, for `claim_items` to do the waiting."""
+        if config.paused:
+            return []
+        queue = config.name
+        locks, index = self._locks.get(queue), self._indexes.get(queue)
+        if locks is None or index is None or not index.listed:
+            return None  # making either may list a directory or sync one
+        claimed: list[Item] = []
+        while len(claimed) < max_items:
+            item_id = index.pop()
+            if item_id is None:
+                break
+            if not ids.is_valid_id(item_id):
+                continue
+            if self.clock() - ids.id_millis(item_id) / 1000 > config.queue_seconds:
+                index.push([item_id])
+                break
+            with locks.hold_if_free(item_id) as held:
+                if not held:
+                    index.push([item_id])
+                    break
+                with self._storage_errors():
+                    item = self._claim_held(config, item_id)
+            if item is not None:
+                claimed.append(item)
+        return claimed or None
+
+    def _claim_held(self, config: QueueConfig, item_id: str) -> Item | None:
+        """Claim one item whose id the view gave; None if it cannot be claimed (another
+        claimant was first, or it timed out and is failed now). Call under the item's lock."""
+        queue = config.name
+        if os.path.exists(self._path(queue, "done", item_id)):
+            return None  # a copy a crash left behind: done wins, and the sweep removes it
+        try:
+            self._move(queue, item_id, "pending", "processing")
+            item = self._read(queue, "processing", item_id)
+        except FileNotFoundError:
+            return None  # another claimant was first: try the next one
+        now = self.clock()
+        if now - item.posted_at > config.queue_seconds:
+            self._fail_timed_out(queue, "processing", item, now)
+            return None
+        item = replace(
+            item,
+            status="processing",
+            attempts=item.attempts + 1,
+            claimed_at=now,
+            lease_expires_at=now + config.lease_seconds,
+            claim_token=secrets.token_hex(8),  # tells this claim of the item from others
+        )
+        self._record_claim(queue, item)
+        return item
 
     def finish_item(self, *, config: QueueConfig, item_id: str, result: Any) -> FinishOutcome:
         """Hand in a result. The first result for an item that is not terminal wins (G3, G4);

@@ -3,10 +3,12 @@ bridge that carries wake-ups between server processes."""
 
 import asyncio
 import json
+import os
 import shutil
 import threading
 from contextlib import asynccontextmanager
 
+import httpx
 import pytest
 from channels.layers import InMemoryChannelLayer
 from channels.testing import WebsocketCommunicator
@@ -501,6 +503,7 @@ async def test_an_item_claimed_for_a_socket_that_closed_meanwhile_goes_back_to_p
         return real_claim(**kwargs)
 
     monkeypatch.setattr(store, "claim_items", slow_claim)
+    monkeypatch.setattr(store, "claim_items_now", lambda **kwargs: None)  # only the thread's claims take time
     ws = WebsocketCommunicator(application, "/work", headers=auth(token))
     await ws.connect()
     await ws.send_json_to({"op": "claim", "queue": "jobs", "wait": 60})
@@ -511,6 +514,36 @@ async def test_an_item_claimed_for_a_socket_that_closed_meanwhile_goes_back_to_p
     await ws.disconnect(timeout=TIMEOUT)
     item = store.read_item(queue="jobs", item_id=item_id)
     assert (item.status, item.attempts) == ("pending", 1)
+
+
+async def test_a_waiting_claim_gets_a_single_post_while_the_post_waits_for_the_disk(token, no_recheck, monkeypatch):
+    """The worker's part of a round trip overlaps the post's flush; the post is answered once
+    it is on disk."""
+    store = get_store()
+    post("jobs", 1)
+    async with connected(token) as ws:
+        await ask(ws, {"op": "claim", "queue": "jobs"})  # the queue's locks are made
+        await ws.send_json_to({"op": "claim", "queue": "jobs", "wait": 60, "ref": "waiting"})
+        await ask(ws, {"op": "nothing"})
+        claimed, real_fsync = threading.Event(), os.fsync
+
+        def flush_once_claimed(fd):
+            claimed.wait(TIMEOUT)
+            real_fsync(fd)
+
+        monkeypatch.setattr(store, "fsync", True)
+        monkeypatch.setattr(os, "fsync", flush_once_claimed)
+        transport = httpx.ASGITransport(app=application)
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1", headers=dict([
+            (name.decode(), value.decode()) for name, value in auth(token)
+        ])) as client:
+            posting = asyncio.create_task(client.post("/api/queues/jobs/items", json={"payload": "x"}))
+            answer = await ws.receive_json_from(timeout=TIMEOUT)
+            assert not posting.done()  # still flushing
+            claimed.set()
+            posted = await posting
+    assert posted.status_code == 201
+    assert answer["ref"] == "waiting" and [item["id"] for item in answer["items"]] == [posted.json()["id"]]
 
 
 async def test_disconnect_cancels_waiting_claims(token):
@@ -607,7 +640,7 @@ async def test_a_failing_waiting_claim_closes_the_socket_and_requeues_what_it_he
         def broken(**kwargs):
             raise OSError("the disk went away in an unforeseen way")
 
-        monkeypatch.setattr(get_store(), "claim_items", broken)
+        monkeypatch.setattr(get_store(), "_claim_held", broken)  # on the event loop and in the store's thread
         post("jobs", 2)
         assert (await ws.receive_output(timeout=TIMEOUT)) == {"type": "websocket.close", "code": 1011}
     assert status("jobs", held) == "pending"

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
@@ -472,6 +473,73 @@ fcntl.lockf(fd, fcntl.LOCK_EX, 1, int(sys.argv[2]))
 print("held", flush=True)
 sys.stdin.read()
 """
+
+
+def test_a_claim_on_the_event_loop_claims_as_the_store_thread_does(store, clock, config):
+    first = post(store, "a")
+    clock.advance(1)
+    rest = post(store, "b", "c")
+    assert store.claim_items_now(config=config, max_items=3) is None  # its locks are not made yet
+    assert store.claim_items(config=config, max_items=1)[0].id == first[0]
+    store.list_pending(queue=Q)  # as runtime.claim_items makes sure before any claim
+    claimed = store.claim_items_now(config=config, max_items=1)
+    assert [item.id for item in claimed] == rest[:1]
+    assert store.read_item(queue=Q, item_id=rest[0]) == claimed[0]  # the claim is on the disk
+    assert (claimed[0].attempts, claimed[0].lease_expires_at) == (1, clock.now + config.lease_seconds)
+    assert store.claim_items_now(config=replace(config, paused=True), max_items=3) == []
+    assert [item.id for item in store.claim_items_now(config=config, max_items=3)] == rest[1:]
+    assert store.claim_items_now(config=config, max_items=3) is None  # nothing in view: the thread lists
+
+
+def test_a_claim_on_the_event_loop_never_waits_for_a_lock(store, config):
+    """It stops at an item whose lock a thread or another process holds, and leaves it pending
+    for the store's thread, which waits for the lock."""
+    first, second = post(store, "a", "b")
+    store.list_pending(queue=Q)
+    claim_one(store, config)  # makes the locks
+    store.release_item(queue=Q, item_id=first)
+    locks = store._queue_locks(Q)
+    with locks.hold(first):  # a thread of this process
+        assert without_waiting(lambda: store.claim_items_now(config=config, max_items=2)) is None
+    assert states_of(store, first) == ["pending"]
+    holder = subprocess.Popen(  # another process
+        [sys.executable, "-c", HOLD_LOCK_BYTE, str(queue_dir(store) / ".lock"), str(store_module._stripe(second))],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        same_stripe = store_module._stripe(first) == store_module._stripe(second)
+        claimed = without_waiting(lambda: store.claim_items_now(config=config, max_items=2))
+        assert claimed is None if same_stripe else [item.id for item in claimed] == [first]
+    finally:
+        holder.communicate("", timeout=10)
+    assert states_of(store, second) == ["pending"]
+    left = [first, second] if same_stripe else [second]
+    assert [item.id for item in store.claim_items(config=config, max_items=2)] == left
+
+
+def without_waiting(call):
+    """`call()` in another thread (as the event loop is to the store's thread), failing the test
+    if it waits rather than answering at once."""
+    pool = ThreadPoolExecutor(1)
+    try:
+        return pool.submit(call).result(timeout=10)
+    finally:
+        pool.shutdown(wait=False)  # a call stuck on a lock ends once the test lets go of it
+
+
+def test_a_claim_on_the_event_loop_leaves_an_aged_item_to_the_store_thread(store, clock, config):
+    """Failing an aged item syncs the disk, which the event loop must not wait for."""
+    (old,) = post(store, "old")
+    store.list_pending(queue=Q)
+    claim_one(store, config)  # makes the locks
+    store.release_item(queue=Q, item_id=old)
+    clock.advance(config.queue_seconds + 1)
+    (young,) = post(store, "young")
+    assert store.claim_items_now(config=config, max_items=2) is None
+    assert states_of(store, old) == ["pending"]
+    assert claim_one(store, config).id == young
+    assert store.read_item(queue=Q, item_id=old).status == "failed"
 
 
 def test_attempts_count_the_claims(store, clock, config):
@@ -997,8 +1065,9 @@ def test_a_spare_is_not_removed_as_stale_before_it_is_written_over(store, config
 
 
 def test_a_store_with_fsync_flushes_posts_and_results_but_not_claims(tmp_path, clock, config, monkeypatch):
-    """What is flushed, and where each file is when it is: a post's files once in pending/ (the
-    journal then commits files and names together), a result's file before done/ shows it."""
+    """What is flushed, and where each file is when it is: a single post's file once in pending/
+    (claimable meanwhile), a batch's files before pending/ shows them, a result's file before
+    done/ shows it."""
     store = Store(tmp_path / "synced", fsync=True, clock=clock)
     root = os.fspath(store.data_dir / Q)
     synced: list[str] = []  # what each fsync flushed, relative to the queue's directory
@@ -1014,7 +1083,7 @@ def test_a_store_with_fsync_flushes_posts_and_results_but_not_claims(tmp_path, c
     assert synced == [".", os.fspath(store.data_dir)]  # both hold new entries
     synced.clear()
     (a,) = (i.id for i in store.post_items(queue=Q, payloads=[1]))
-    assert synced == [f"pending/{a}", "pending"]  # one journal commit for the file and its name
+    assert synced == [f"pending/{a}", "pending"]  # renamed first: claimable while it is flushed
     synced.clear()
     (b, c) = (i.id for i in store.post_items(queue=Q, payloads=[2, 3]))
     assert [path.split("/")[0] for path in synced] == ["tmp", "tmp", "pending"]  # in parallel
@@ -1035,26 +1104,65 @@ def test_a_store_with_fsync_flushes_posts_and_results_but_not_claims(tmp_path, c
     assert states_of(store, b) == ["done"] and all(states_of(store, i) == ["done"] for i in batch)
 
 
-def test_a_post_claimed_before_it_is_flushed_is_still_flushed_and_answered(tmp_path, clock, config, monkeypatch):
-    """A single post is flushed after its rename into pending/: a claim may move it first."""
+@pytest.mark.parametrize(
+    "claimed_during, flushed_dirs",
+    [
+        (None, ["pending"]),
+        ("the file's flush", ["processing"]),  # pending/ would record it gone: not worth a flush
+        ("pending/'s flush", ["pending", "processing"]),  # pending/ may have recorded it gone
+    ],
+)
+def test_a_single_post_is_claimable_before_it_is_flushed_and_answered_once_its_name_is_on_disk(
+    tmp_path, clock, config, monkeypatch, claimed_during, flushed_dirs
+):
+    """A single post is renamed into pending/ and only then flushed: a claim may take it (and
+    is told it may, through `on_claimable`) while the post waits for the disk. The post returns
+    once the file and the directory that names it are flushed."""
     store = Store(tmp_path / "synced", fsync=True, clock=clock)
     store.ensure_queue(Q)
-    real_fsync = os.fsync
-    flushed = []
+    store.list_pending(queue=Q)
+    store.post_items(queue=Q, payloads=["first"])
+    store.claim_items(config=config)  # makes the locks, as a running server has them
+    here = queue_dir(store)
+    real_fsync, flushed, claimable = os.fsync, [], []
 
-    def claim_first(fd):
+    def claim_during(fd):
         path = os.readlink(f"/proc/self/fd/{fd}")
-        if "/pending/" in path and path.endswith(".json"):
-            assert store.claim_items(config=config, max_items=1)  # another thread was quicker
-        flushed.append(os.readlink(f"/proc/self/fd/{fd}"))
+        during = "the file's flush" if path.endswith(".json") else f"{os.path.basename(path)}/'s flush"
+        if during == claimed_during:
+            assert store.claim_items_now(config=config, max_items=1)  # the event loop was quicker
+        flushed.append(os.readlink(f"/proc/self/fd/{fd}"))  # where it is as it is flushed
         real_fsync(fd)
 
-    monkeypatch.setattr(os, "fsync", claim_first)
-    (item,) = store.post_items(queue=Q, payloads=["x"])
-    # the file, pending/ (which recorded it gone), and processing/, where its name is now
-    here = queue_dir(store)
-    assert flushed == [os.fspath(path) for path in (here / "processing" / f"{item.id}.json", here / "pending", here / "processing")]
-    assert states_of(store, item.id) == ["processing"]
+    monkeypatch.setattr(os, "fsync", claim_during)
+    (item,) = store.post_items(queue=Q, payloads=["x"], on_claimable=lambda: claimable.append(list(flushed)))
+    assert claimable == [[]]  # told before anything was flushed
+    file_in = "processing" if claimed_during == "the file's flush" else "pending"
+    assert flushed == [os.fspath(here / file_in / f"{item.id}.json")] + [os.fspath(here / d) for d in flushed_dirs]
+    assert states_of(store, item.id) == ["pending" if claimed_during is None else "processing"]
+
+
+def test_a_single_post_whose_flush_fails_is_taken_back_out_even_if_claimed_meanwhile(tmp_path, clock, config, monkeypatch):
+    store = Store(tmp_path / "synced", fsync=True, clock=clock)
+    store.ensure_queue(Q)
+    store.list_pending(queue=Q)
+    store.post_items(queue=Q, payloads=["first"])
+    store.claim_items(config=config)
+    claimed = []
+
+    def failing_fsync(fd):
+        claimed.extend(store.claim_items_now(config=config, max_items=1) or [])
+        raise OSError(errno.EIO, "the disk failed")
+
+    monkeypatch.setattr(os, "fsync", failing_fsync)
+    with pytest.raises(StorageUnavailable):
+        store.post_items(queue=Q, payloads=["x"])
+    [item] = claimed
+    monkeypatch.undo()
+    assert states_of(store, item.id) == []  # answered 503: not posted, in no state
+    with pytest.raises(ItemNotFound):
+        store.finish_item(config=config, item_id=item.id, result="too late")
+    assert leftovers_in_tmp(store) == []
 
 
 def test_a_batch_removes_old_files_only_after_done_is_synced(tmp_path, clock, config, monkeypatch):
