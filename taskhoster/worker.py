@@ -42,6 +42,10 @@ FILL_DELAY_SECONDS = 0.001  # fewer than half the slots free: wait this long for
 FATAL_CLAIM_ERRORS = {"unauthorized", "forbidden", "unknown_queue", "invalid_request", "invalid_json"}
 BATCH_ITEMS = 1000  # the server's limit for one `results` frame
 BATCH_BYTES = 8 << 20  # half the server's default frame limit
+# a result the server could not store (a full disk, say) stays in the outbox and goes in again
+# after this pause; results refused for any other reason are dropped
+RESULT_RETRY_SECONDS = 1.0
+PASSING_RESULT_ERRORS = {"storage_unavailable"}
 DRAIN_SECONDS = 10.0  # after the grace period: how long to keep trying to hand results in
 BACKOFF_FIRST, BACKOFF_MAX = 0.25, 30.0
 AUTH_CLOSE_CODE = 4401
@@ -152,6 +156,8 @@ class _Run:
         self.running: dict[str, _Running] = {}
         self.outbox: dict[str, tuple[str, Any, int]] = {}  # id -> queue, result, size; until acked
         self.handing_in: asyncio.Task | None = None  # the results frame waiting for its ack
+        self.resting: set[str] = set()  # outbox ids the server could not store: not sent until
+        self.rest_timer: asyncio.TimerHandle | None = None  # this fires and frees them all
         self.link: Link | None = None
         self.claiming: dict[str, int] = {}  # queue -> slots its outstanding claim may fill
         self.known_empty: set[str] = set()  # queues whose last claim brought fewer items than asked
@@ -176,7 +182,7 @@ class _Run:
             await self._stay_connected()
         finally:
             shutdown.cancel()
-            for handle in (self.turn, self.fill_timer):
+            for handle in (self.turn, self.fill_timer, self.rest_timer):
                 if handle is not None:
                     handle.cancel()
             for running in list(self.running.values()):
@@ -452,10 +458,14 @@ class _Run:
 
     def _hand_in(self, link: Link) -> None:
         """Hand in the results not yet acknowledged, one frame at a time: results that finish
-        while a frame is out go together in the next one."""
-        if self.handing_in is not None or not self.outbox:
+        while a frame is out go together in the next one. Results resting after a storage error
+        wait for their pause to end; the others go in meanwhile."""
+        if self.handing_in is not None:
             return
-        task = self.handing_in = self._spawn(self._hand_in_batch(link, self._next_batch()))
+        batch = self._next_batch()
+        if not batch:
+            return
+        task = self.handing_in = self._spawn(self._hand_in_batch(link, batch))
         task.add_done_callback(self._handed_in)
 
     def _handed_in(self, task: asyncio.Task) -> None:
@@ -476,6 +486,8 @@ class _Run:
     def _next_batch(self) -> list[tuple[str, str, Any]]:
         batch, total = [], 0
         for item_id, (queue, result, size) in self.outbox.items():
+            if item_id in self.resting:
+                continue
             if batch and (len(batch) == BATCH_ITEMS or total + size > BATCH_BYTES):
                 break
             batch.append((item_id, queue, result))
@@ -486,14 +498,24 @@ class _Run:
         frame = {"op": "results", "items": [{"queue": q, "id": i, "result": r} for i, q, r in batch]}
         try:
             answer = await link.request(frame)
-        except ApiError:
+        except ApiError as exc:
+            if exc.code in PASSING_RESULT_ERRORS:
+                self._rest([item_id for item_id, _, _ in batch], str(exc))
+                return
             # refused as a whole (one result too large, say): hand each in alone to find it
             for entry in batch:
                 await self._hand_in_one(link, *entry)
             return
         acks = answer.get("items") or []
+        unstored = []
         for index, (item_id, _, _) in enumerate(batch):
-            self._settle(item_id, acks[index] if index < len(acks) else {})
+            ack = acks[index] if index < len(acks) else {}
+            if ack.get("error") in PASSING_RESULT_ERRORS:
+                unstored.append(item_id)
+            else:
+                self._settle(item_id, ack)
+        if unstored:
+            self._rest(unstored, "storage_unavailable")
 
     async def _hand_in_one(self, link: Link, item_id: str, queue: str, result: Any) -> None:
         try:
@@ -503,8 +525,26 @@ class _Run:
                 # the item must still end: say why instead of the result
                 self.outbox[item_id] = (queue, {"error": {"type": "PayloadTooLarge", "message": exc.message}}, 0)
                 return
+            if exc.code in PASSING_RESULT_ERRORS:
+                self._rest([item_id], str(exc))
+                return
             ack = {"accepted": False, "error": exc.code}
         self._settle(item_id, ack)
+
+    def _rest(self, item_ids: list[str], reason: str) -> None:
+        """The server could not store these results for now (a full disk, say): keep them in the
+        outbox, and send them again once RESULT_RETRY_SECONDS have passed (results refused
+        meanwhile go with them), not at once and again and again."""
+        log.warning("the server could not store the results of %d items (%s); trying again in %g s",
+                    len(item_ids), reason, RESULT_RETRY_SECONDS)
+        self.resting.update(item_ids)
+        if self.rest_timer is None:
+            self.rest_timer = self.loop.call_later(RESULT_RETRY_SECONDS, self._end_rest)
+
+    def _end_rest(self) -> None:
+        self.rest_timer = None
+        self.resting.clear()
+        self._nudge()
 
     def _settle(self, item_id: str, ack: dict) -> None:
         self.outbox.pop(item_id, None)

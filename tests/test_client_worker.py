@@ -16,7 +16,7 @@ from websockets.asyncio.server import serve as serve_websocket
 import taskhoster.worker as worker_module
 from client_support import client_env, live_server
 from serverproc import PROJECT_DIR
-from taskhoster import ConnectionFailed, Job, Producer, TaskhosterError, Unauthorized, UnknownQueue, Worker
+from taskhoster import ApiError, ConnectionFailed, Job, Producer, TaskhosterError, Unauthorized, UnknownQueue, Worker
 from taskhoster.link import Link
 from taskhoster.worker import backoff_delay, split_slots
 
@@ -27,6 +27,10 @@ QUEUES = {
     "retry": {},
     "slots": {},
     "batch": {},
+    "unstored-one": {},
+    "unstored-many": {},
+    "unstored-acks": {},
+    "unstored-stop": {},
     "batched-claims": {},
     "idle": {},
     "graceful": {},
@@ -229,6 +233,57 @@ def test_results_that_finish_together_go_in_one_results_frame(live, producer, mo
     assert handed_in == [("results", 10)]
 
 
+def disk_full_for_two_hand_ins(monkeypatch, refusal: str = "error frame") -> list[tuple[str, list[str]]]:
+    """The first two result or results frames the worker sends are refused as a server with a
+    full disk refuses them (not sent on: an error frame, or with `refusal="acks"` an ack per item
+    with error `storage_unavailable`); later ones go to the server. Every hand-in: (op, ids)."""
+    sent = []
+    request = Link.request
+
+    async def refusing(self, frame, **options):
+        if frame["op"] not in ("result", "results"):
+            return await request(self, frame, **options)
+        ids = [entry["id"] for entry in frame.get("items", [frame])]
+        sent.append((frame["op"], sorted(ids)))
+        if len(sent) > 2:
+            return await request(self, frame, **options)
+        if refusal == "acks":
+            return {"op": "acks", "items": [{"id": i, "accepted": False, "error": "storage_unavailable"} for i in ids]}
+        raise ApiError("storage_unavailable", "the data directory cannot be written: No space left on device")
+
+    monkeypatch.setattr(Link, "request", refusing)
+    return sent
+
+
+@pytest.mark.parametrize(
+    ("queue", "count", "refusal"),
+    [("unstored-one", 1, "error frame"), ("unstored-many", 3, "error frame"), ("unstored-acks", 3, "acks")],
+)
+def test_results_the_server_could_not_store_go_in_again_after_a_pause(live, producer, monkeypatch, queue, count,
+                                                                      refusal):
+    """A full disk is a passing trouble: the results stay with the worker and go in again (not
+    dropped, which would leave the items to be done again once their leases lapse)."""
+    monkeypatch.setattr(worker_module, "RESULT_RETRY_SECONDS", 0.05)
+    sent = disk_full_for_two_hand_ins(monkeypatch, refusal)
+    gate = {}
+
+    async def handle(payload, job):
+        # the last handler opens the gate for all at once: their results go in one frame
+        event = gate.setdefault("event", asyncio.Event())
+        gate["started"] = gate.get("started", 0) + 1
+        if gate["started"] == count:
+            event.set()
+        await event.wait()
+        return payload
+
+    items = producer.post_many(queue, range(count))
+    with working(Worker(live.url, live.token, queues=[queue], concurrency=count), handle):
+        assert [producer.result(queue, item["id"], timeout=20) for item in items] == list(range(count))
+    assert [producer.get(queue, item["id"])["attempts"] for item in items] == [1] * count
+    ids = sorted(item["id"] for item in items)
+    assert sent == [("result" if count == 1 else "results", ids)] * 3  # refused twice, then accepted
+
+
 def recording_claims(monkeypatch) -> list[tuple[int, int, int]]:
     """Every claim the worker sends, once answered: (max, wait, how many items came)."""
     claims = []
@@ -326,6 +381,19 @@ def test_stop_releases_the_items_whose_handlers_outlast_the_grace_period(live, p
         assert time.monotonic() - stopped_at < 10
     released = producer.get("outlast", item["id"])
     assert released["status"] == "pending" and released["attempts"] == 1
+
+
+def test_a_stopping_worker_keeps_handing_in_a_result_the_server_could_not_store(live, producer, monkeypatch):
+    monkeypatch.setattr(worker_module, "RESULT_RETRY_SECONDS", 0.05)
+    sent = disk_full_for_two_hand_ins(monkeypatch)
+    item = producer.post("unstored-stop", "late")
+    worker = Worker(live.url, live.token, queues=["unstored-stop"])
+    with working(worker, lambda payload, job: payload):
+        wait_until(lambda: sent, what="the first hand-in")
+        worker.stop()  # while the server cannot store the result: the drain goes on trying
+    finished = producer.get("unstored-stop", item["id"])
+    assert (finished["status"], finished.get("result"), finished["attempts"]) == ("finished", "late", 1)
+    assert sent == [("result", [item["id"]])] * 3
 
 
 # ---- what cannot work ----------------------------------------------------------------------------
