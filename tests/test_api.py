@@ -13,7 +13,8 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 
 from api_support import api, bearer, disk_snapshot, queues, tokens  # noqa: F401  (fixtures)
 from queues import ids
-from queues.runtime import get_registry, get_store, in_store_threads
+from queues.api import handlers
+from queues.runtime import get_registry, get_store, in_store_thread, in_store_threads
 from queues.services import save_queue
 from queues.store import QueueConfig, Store
 
@@ -260,7 +261,7 @@ async def test_health_is_503_when_the_data_directory_cannot_be_written(api, tran
     answer = await api.get("/healthz")
 
     assert answer.status_code == 503
-    assert answer.json() == {"ok": False, "database": True, "dataDirectory": False}
+    assert answer.json() == {"ok": False, "database": True, "dataDirectory": False, "storeThread": True}
 
 
 async def test_health_is_503_when_the_database_does_not_answer(api, transactional_db, monkeypatch):
@@ -272,7 +273,51 @@ async def test_health_is_503_when_the_database_does_not_answer(api, transactiona
     answer = await api.get("/healthz")
 
     assert answer.status_code == 503
-    assert answer.json() == {"ok": False, "database": False, "dataDirectory": True}
+    assert answer.json() == {"ok": False, "database": False, "dataDirectory": True, "storeThread": True}
+
+
+async def test_health_is_503_while_the_store_s_thread_does_not_answer(api, transactional_db, monkeypatch):
+    """Every transition waits for that one thread: when it hangs (a disk call that never returns),
+    /healthz must say so rather than answer 200 while posts, claims and results hang."""
+    monkeypatch.setattr(handlers, "HEALTH_TIMEOUT_SECONDS", 1.0)
+    release = threading.Event()
+    stuck = asyncio.ensure_future(in_store_thread(release.wait))  # the thread is process-wide
+    try:
+        answer = await asyncio.wait_for(api.get("/healthz"), 30)  # not forever: a hang fails the test
+
+        assert answer.status_code == 503
+        assert answer.json() == {"ok": False, "database": True, "dataDirectory": True, "storeThread": False}
+    finally:
+        release.set()
+        await stuck
+
+    answer = await api.get("/healthz")
+
+    assert (answer.status_code, answer.json()) == (200, {"ok": True})
+
+
+async def test_health_is_503_while_the_data_directory_check_hangs(api, transactional_db, monkeypatch):
+    monkeypatch.setattr(handlers, "HEALTH_TIMEOUT_SECONDS", 1.0)
+    release = threading.Event()
+    check_writable = Store.check_writable
+
+    def hanging(store):
+        release.wait()
+        return check_writable(store)
+
+    monkeypatch.setattr(Store, "check_writable", hanging)
+    try:
+        answer = await asyncio.wait_for(api.get("/healthz"), 30)  # not forever: a hang fails the test
+
+        assert answer.status_code == 503
+        assert answer.json() == {"ok": False, "database": True, "dataDirectory": False, "storeThread": True}
+    finally:
+        release.set()
+    monkeypatch.setattr(Store, "check_writable", check_writable)
+
+    answer = await api.get("/healthz")
+
+    assert (answer.status_code, answer.json()) == (200, {"ok": True})
 
 
 async def test_a_payload_nested_to_the_limit_is_taken(api, queues, tokens):

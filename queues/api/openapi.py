@@ -149,7 +149,9 @@ DOCUMENT = {
         "/healthz": {
             "get": {
                 "operationId": "health",
-                "summary": "Whether the database answers and the data directory is writable.",
+                "summary": (
+                    "Whether the database answers, the data directory is writable and the store's thread takes a call."
+                ),
                 "security": [],
                 "responses": {
                     "200": _json(
@@ -158,14 +160,15 @@ DOCUMENT = {
                     "503": _json(
                         {
                             "type": "object",
-                            "required": ["ok", "database", "dataDirectory"],
+                            "required": ["ok", "database", "dataDirectory", "storeThread"],
                             "properties": {
                                 "ok": {"const": False},
                                 "database": {"type": "boolean"},
                                 "dataDirectory": {"type": "boolean"},
+                                "storeThread": {"type": "boolean"},
                             },
                         },
-                        "The database or the data directory fails.",
+                        "The database, the data directory or the store's thread fails or does not answer in time.",
                     ),
                 },
             }
