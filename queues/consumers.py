@@ -270,7 +270,7 @@ class WorkConsumer(AsyncWebsocketConsumer):
     async def handle_result(self, frame: dict, ref) -> None:
         name, item_id, result = string_field(frame, "queue"), string_field(frame, "id"), result_field(frame)
         config = await self.work_queue(name)
-        outcome = await in_store_thread(get_store().finish_item, config=config, item_id=item_id, result=result)
+        outcome = await in_store_threads(get_store().begin_finish_item, config=config, item_id=item_id, result=result)
         self.settled(name, [(item_id, outcome)])
         await self.answer("ack", ref, id=item_id, accepted=outcome.accepted)
 

@@ -825,41 +825,61 @@ class Store:
     def post_items(
         self, *, queue: str, payloads: list[Any], on_claimable: Callable[[], None] | None = None
     ) -> list[Item]:
-        """Post a batch, all or nothing: each file is written to tmp/ first, and only when all
-        are written (and on disk) are they moved to pending/. A single item is moved first and
-        flushed after (see `_flush_post`), and may be claimed meanwhile: `on_claimable` is
-        called then (from this thread), so a worker gets it while the disk catches up. Either
-        way the post returns only once it would survive a power cut."""
+        """Post a batch, all or nothing, and return once it would survive a power cut; see
+        `begin_post`."""
+        return self.begin_post(queue=queue, payloads=payloads, on_claimable=on_claimable)()
+
+    def begin_post(
+        self, *, queue: str, payloads: list[Any], on_claimable: Callable[[], None] | None = None
+    ) -> Callable[[], list[Item]]:
+        """The first half of a post. The second half, returned, waits until the post is on disk
+        and gives the items; it may run on another thread while this one takes the next call.
+        `on_claimable` is called (from either thread) once the items may be claimed.
+
+        A batch is all or nothing: its files are written to tmp/ in the first half, and moved
+        to pending/ in the second once all are on disk. A single item is moved into pending/ at
+        once and may be claimed while it is flushed (see `_flush_post`), so a worker gets it
+        while the disk catches up."""
         items = self._new_items(queue, payloads)
         if len(items) > 1:
-            posted = self._begin_post(queue, items)()
-            if on_claimable is not None:
-                on_claimable()
-            return posted
+            publish = self._begin_post(queue, items)
+
+            def published() -> list[Item]:
+                posted = publish()
+                if on_claimable is not None:
+                    on_claimable()
+                return posted
+
+            return published
         (item,) = items
         target = self._path(queue, "pending", item.id)
         with self._storage_errors():
             tmp, fd = self._open_tmp(queue, item)
-        try:
-            with self._storage_errors():
-                try:
-                    os.rename(tmp, target)
-                except BaseException:
-                    _unlink_quietly(tmp)
-                    raise
-                self._index(queue).push([item.id])
-                if on_claimable is not None:
-                    on_claimable()
-                self._flush_post(queue, item.id, fd)
-        except BaseException:
-            # unposted: take it back out, from processing/ too if it was claimed meanwhile
-            with self._item_lock(queue, item.id):
-                _unlink_quietly(target)
-                _unlink_quietly(self._path(queue, "processing", item.id))
-            raise
-        finally:
-            os.close(fd)
-        return items
+            try:
+                os.rename(tmp, target)
+            except BaseException:
+                os.close(fd)
+                _unlink_quietly(tmp)
+                raise
+        self._index(queue).push([item.id])
+        if on_claimable is not None:
+            on_claimable()
+
+        def flushed() -> list[Item]:
+            try:
+                with self._storage_errors():
+                    self._flush_post(queue, item.id, fd)
+            except BaseException:
+                # unposted: take it back out, from processing/ too if it was claimed meanwhile
+                with self._item_lock(queue, item.id):
+                    _unlink_quietly(target)
+                    _unlink_quietly(self._path(queue, "processing", item.id))
+                raise
+            finally:
+                os.close(fd)
+            return items
+
+        return flushed
 
     def _flush_post(self, queue: str, item_id: str, fd: int) -> None:
         """Flush a single post's file, through the descriptor it was written with, and the
@@ -876,12 +896,6 @@ class Store:
                 return
         # claimed before pending/ was synced, or while it was
         self._sync_dir(self._dir(queue, "processing"))
-
-    def begin_post(self, *, queue: str, payloads: list[Any]) -> Callable[[], list[Item]]:
-        """The first half of posting a batch: check it and write its files to tmp/, on their way
-        to disk. The second half, returned, waits until they are on disk, moves them to pending/
-        and gives the items; it may run on another thread while this one takes the next call."""
-        return self._begin_post(queue, self._new_items(queue, payloads))
 
     def _new_items(self, queue: str, payloads: list[Any]) -> list[Item]:
         """The items a batch of payloads makes, checked, with new ids; the queue made if new."""
@@ -1021,9 +1035,19 @@ class Store:
     def finish_item(self, *, config: QueueConfig, item_id: str, result: Any) -> FinishOutcome:
         """Hand in a result. The first result for an item that is not terminal wins (G3, G4);
         an item past its queue timeout is failed instead (G6)."""
-        (outcome,) = self.finish_items(config=config, results=[(item_id, result)])
-        if isinstance(outcome, TaskhosterError):
-            raise outcome
+        return self.begin_finish_item(config=config, item_id=item_id, result=result)()
+
+    def begin_finish_item(self, *, config: QueueConfig, item_id: str, result: Any) -> Callable[[], FinishOutcome]:
+        """`finish_item` in two halves, as `begin_finish` for one result (which the second half
+        raises if it is an error)."""
+        commit = self.begin_finish(config=config, results=[(item_id, result)])
+
+        def outcome() -> FinishOutcome:
+            (settled,) = commit()
+            if isinstance(settled, TaskhosterError):
+                raise settled
+            return settled
+
         return outcome
 
     def finish_items(

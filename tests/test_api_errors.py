@@ -36,7 +36,10 @@ def untouchable_store(monkeypatch):
         raise AssertionError("the store was called")
 
     store = get_store()
-    for name in ("read_item", "finish_item", "extend_lease", "post_items", "claim_items", "claim_items_now", "count_items"):
+    for name in (
+        "read_item", "read_item_unlocked", "finish_item", "begin_finish_item", "begin_finish", "extend_lease",
+        "post_items", "begin_post", "claim_items", "claim_items_now", "count_items",
+    ):
         monkeypatch.setattr(store, name, touched)
 
 

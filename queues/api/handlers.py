@@ -108,15 +108,13 @@ async def queue_stats(request: Request, queue: str) -> Answer:
 async def post_items(request: Request, queue: str) -> Answer:
     await authorize(request, queue, PRODUCE)
     payloads, batch = _payloads(json_object(await request.json(), allowed={"payload", "items"}))
+    # a waiting claim is woken as soon as the items can be claimed: a single item's while its
+    # post waits for the disk, so the worker's part overlaps the flush
+    wake = partial(hub.items_available, queue, len(payloads))
+    items = await in_store_threads(get_store().begin_post, queue=queue, payloads=payloads, on_claimable=wake)
     if batch:
-        items = await in_store_threads(get_store().begin_post, queue=queue, payloads=payloads)
-        hub.items_available(queue, len(items))
         return Answer(201, {"items": [item.to_json() for item in items]})
-    # a waiting claim is woken as soon as the item can be claimed, while its post waits for the
-    # disk: the worker's part overlaps the flush
-    wake = partial(hub.items_available, queue, 1)
-    (item,) = await in_store_thread(get_store().post_items, queue=queue, payloads=payloads, on_claimable=wake)
-    return Answer(201, item.to_json())
+    return Answer(201, items[0].to_json())
 
 
 @router.add("GET", "/api/queues/{queue}/items/{item_id}")
@@ -190,8 +188,8 @@ async def hand_in_result(request: Request, queue: str, item_id: str) -> Answer:
     config = await authorize(request, queue, WORK)
     item_id = _item_id(item_id)
     body = json_object(await request.json(), allowed={"result"}, required={"result"})
-    outcome = await in_store_thread(
-        get_store().finish_item, config=config, item_id=item_id, result=body["result"]
+    outcome = await in_store_threads(
+        get_store().begin_finish_item, config=config, item_id=item_id, result=body["result"]
     )
     hub.items_terminal(queue, [item_id])  # accepted or not, the item is terminal now
     return Answer(200, {"id": outcome.id, "accepted": outcome.accepted, "status": outcome.status})
