@@ -95,7 +95,7 @@ def result_field(body: dict):
 def begin_finish_all(store: Store, entries: list[tuple[QueueConfig, str, object]]):
     """Begin handing in each result, in one store batch per queue (one disk sync each); the
     second half, returned, gives each item's outcome (its own trouble, such as an unknown id or
-    a result too large, included) in the order of `entries`."""
+    a result too large, or its queue's disk trouble, included) in the order of `entries`."""
     positions: dict[str, list[int]] = {}
     for position, (config, _, _) in enumerate(entries):
         positions.setdefault(config.name, []).append(position)
@@ -107,7 +107,11 @@ def begin_finish_all(store: Store, entries: list[tuple[QueueConfig, str, object]
     def commit_all() -> list:
         outcomes: list = [None] * len(entries)
         for wanted, commit in commits:
-            for position, outcome in zip(wanted, commit()):
+            try:
+                settled = commit()
+            except TaskhosterError as error:  # this queue's disk trouble: the other queues go on
+                settled = [error] * len(wanted)
+            for position, outcome in zip(wanted, settled):
                 outcomes[position] = outcome
         return outcomes
 

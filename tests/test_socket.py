@@ -2,6 +2,7 @@
 bridge that carries wake-ups between server processes."""
 
 import asyncio
+import errno
 import json
 import os
 import shutil
@@ -324,6 +325,32 @@ async def test_a_result_over_the_payload_limit_is_too_large_and_changes_nothing(
         assert batch["items"] == [{"id": item_id, "accepted": False, "error": "payload_too_large"}]
         assert status("jobs", item_id) == "processing"
         assert (await ask(ws, {"op": "result", "queue": "jobs", "id": item_id, "result": "ok"}))["accepted"]
+
+
+async def test_a_results_frame_whose_one_queue_cannot_store_still_hands_in_the_others(token, monkeypatch):
+    [mine] = post("jobs", 1)
+    [theirs] = post("other", 2)
+    store = get_store()
+    real_sync_files = store._sync_files
+
+    def jobs_disk_fails(paths):
+        if any("/jobs/" in os.fspath(path) for path in paths):
+            raise OSError(errno.EIO, "the disk under jobs failed")
+        real_sync_files(paths)
+
+    async with connected(token) as ws:
+        await ask(ws, {"op": "claim", "queue": "jobs"})
+        await ask(ws, {"op": "claim", "queue": "other"})
+        monkeypatch.setattr(store, "_sync_files", jobs_disk_fails)
+        answer = await ask(ws, {"op": "results", "items": [
+            {"queue": "jobs", "id": mine, "result": 1}, {"queue": "other", "id": theirs, "result": 2},
+        ]})
+    assert answer["items"] == [
+        {"id": mine, "accepted": False, "error": "storage_unavailable"},
+        {"id": theirs, "accepted": True},
+    ]
+    assert (status("jobs", mine), status("other", theirs)) == ("pending", "finished")  # re-queued at close
+    assert not [name for name in os.listdir(store.data_dir / "jobs" / "tmp") if not name.startswith("spare-")]
 
 
 async def test_a_data_directory_that_cannot_be_written_is_storage_unavailable(token, settings):
