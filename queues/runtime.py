@@ -21,8 +21,9 @@ log = logging.getLogger(__name__)
 # server's CPU per item halved). Calls that may read a whole directory (counts, listings,
 # health) run beside them, so a big queue's count never holds up a post.
 _store_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="store")
-# A batch's second half (waiting for its files to reach the disk, then moving them into place)
-# runs here, so the store's thread meanwhile writes the next batch (see Store.begin_post).
+# A post's or a result's second half (waiting for its files to reach the disk, then moving them
+# into place) runs here, so the store's thread meanwhile writes the next one: in a round trip,
+# the result is written while its post still flushes (see Store.begin_post).
 _flush_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="store-flush")
 _scan_threads = ThreadPoolExecutor(max_workers=4, thread_name_prefix="store-scan")
 # at most this many items a claim takes on the event loop (~0.1 ms each), the rest in the
@@ -54,7 +55,7 @@ async def in_store_thread(function, /, *args, **kwargs):
 
 
 async def in_store_threads(begin, /, *args, **kwargs):
-    """Run a batch transition in two halves: `begin` (a Store.begin_* method) in the store's
+    """Run a post or a result in two halves: `begin` (a Store.begin_* method) in the store's
     thread, then the half it returns in the flush thread, handed over there directly (no turn
     of the event loop in between). Once begun, the second half runs even if the caller is
     cancelled meanwhile, so no written file is left behind half done."""
