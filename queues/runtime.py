@@ -59,12 +59,13 @@ async def in_store_threads(begin, /, *args, **kwargs):
     thread, then the half it returns in the flush thread, handed over there directly (no turn
     of the event loop in between). Once begun, the second half runs even if the caller is
     cancelled meanwhile, so no written file is left behind half done."""
-    # with fsync off there is no wait on the disk to overlap: a second thread would only vie
-    # for the GIL
-    second = _flush_thread if get_store().fsync else _store_thread
+    if not get_store().fsync:
+        # no wait on the disk to overlap: both halves in one call, one hop (a second thread
+        # would only vie for the GIL, a second call only add a turn of the event loop)
+        return await in_store_thread(lambda: begin(*args, **kwargs)())
 
     def first_half() -> Future:
-        return second.submit(begin(*args, **kwargs))
+        return _flush_thread.submit(begin(*args, **kwargs))
 
     loop = asyncio.get_running_loop()
     return await asyncio.shield(asyncio.wrap_future(await loop.run_in_executor(_store_thread, first_half)))
