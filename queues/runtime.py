@@ -2,7 +2,7 @@
 
 import asyncio
 import logging
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache, partial
 
 from django.conf import settings
@@ -56,19 +56,41 @@ async def in_store_thread(function, /, *args, **kwargs):
 
 async def in_store_threads(begin, /, *args, **kwargs):
     """Run a post or a result in two halves: `begin` (a Store.begin_* method) in the store's
-    thread, then the half it returns in the flush thread, handed over there directly (no turn
-    of the event loop in between). Once begun, the second half runs even if the caller is
+    thread, then the half it returns in the flush thread, handed over there directly, and the
+    event loop woken once, at the end. Once submitted, both halves run even if the caller is
     cancelled meanwhile, so no written file is left behind half done."""
     if not get_store().fsync:
         # no wait on the disk to overlap: both halves in one call, one hop (a second thread
-        # would only vie for the GIL, a second call only add a turn of the event loop)
+        # would only vie for the GIL)
         return await in_store_thread(lambda: begin(*args, **kwargs)())
-
-    def first_half() -> Future:
-        return _flush_thread.submit(begin(*args, **kwargs))
-
     loop = asyncio.get_running_loop()
-    return await asyncio.shield(asyncio.wrap_future(await loop.run_in_executor(_store_thread, first_half)))
+    done = loop.create_future()
+
+    def settle(result, error) -> None:
+        if not done.done():  # the caller may have gone
+            if error is None:
+                done.set_result(result)
+            else:
+                done.set_exception(error)
+
+    def second_half(half) -> None:
+        try:
+            result = half()
+        except BaseException as error:
+            loop.call_soon_threadsafe(settle, None, error)
+        else:
+            loop.call_soon_threadsafe(settle, result, None)
+
+    def first_half() -> None:
+        try:
+            half = begin(*args, **kwargs)
+        except BaseException as error:
+            loop.call_soon_threadsafe(settle, None, error)
+        else:
+            _flush_thread.submit(second_half, half)
+
+    _store_thread.submit(first_half)
+    return await asyncio.shield(done)
 
 
 async def in_scan_thread(function, /, *args, **kwargs):
