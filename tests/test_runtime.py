@@ -1,6 +1,9 @@
 """queues/runtime.py: where store calls run. A claim runs on the event loop while that never
 waits, and in the store's thread for the rest."""
 
+import asyncio
+import threading
+
 import pytest
 
 from queues import runtime
@@ -51,8 +54,28 @@ async def test_a_claim_the_event_loop_cannot_serve_waits_in_the_store_thread(thr
     thread_claims.clear()
     [item_id] = [item.id for item in store.post_items(queue="jobs", payloads=[1])]
     with store._queue_locks("jobs").hold(item_id):  # a transition of it is under way in a thread
-        claiming = runtime.asyncio.create_task(claim_items(CONFIG, 1))
-        await runtime.asyncio.sleep(0.05)
+        claiming = asyncio.create_task(claim_items(CONFIG, 1))
+        await asyncio.sleep(0.05)
         assert not claiming.done()  # it waits, off the event loop (which goes on)
     assert [item.id for item in await claiming] == [item_id]
     assert thread_claims == [1]
+
+
+async def test_a_single_post_is_flushed_beside_the_store_thread(monkeypatch):
+    """With fsync on, a single post is claimable once the store's thread has written it, and is
+    flushed in the flush thread: the store's thread takes the next call meanwhile (in a round
+    trip, the result for that very item)."""
+    store = get_store()
+    monkeypatch.setattr(store, "fsync", True)
+    release = threading.Event()
+    busy = runtime._flush_thread.submit(release.wait, 10)  # the flush thread is still flushing
+    try:
+        posting = asyncio.create_task(runtime.in_store_threads(store.begin_post, queue="jobs", payloads=[1]))
+        assert await asyncio.wait_for(runtime.in_store_thread(lambda: "free"), 5) == "free"
+        assert await claim_items(CONFIG, 1)  # claimable already
+        assert not posting.done()  # answered only once flushed
+    finally:
+        release.set()
+    busy.result()
+    [item] = await asyncio.wait_for(posting, 5)
+    assert store.read_item(queue="jobs", item_id=item.id).status == "processing"
