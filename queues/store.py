@@ -76,7 +76,9 @@ ID_CLOCK_MARGIN_SECONDS = 60  # how far an id's time may run ahead of the clock 
 CLAIM_XATTR = "user.taskhoster"
 _NO_XATTRS = (errno.ENOTSUP, errno.EOPNOTSUPP)
 _START_WRITEBACK = hasattr(os, "posix_fadvise")  # not on macOS
-_UNFETCHED_MODE = 0o600
+# every item file is made with this mode; only a fetched done file differs, and done files never
+# become spares, so a spare written over keeps the mode it was made with
+_ITEM_MODE = 0o600
 _FETCHED_MODE = 0o640  # the group-read bit marks a done item as fetched
 _LOCK_STRIPES = 256
 INDEX_CAPACITY = 100_000  # pending ids one process keeps in memory per queue
@@ -615,12 +617,10 @@ class Store:
                 raise
             raise StorageUnavailable(f"the data directory cannot be written: {exc.strerror}") from exc
 
-    def _write_tmp(
-        self, queue: str, item: Item, *, mode: int = 0o600, mtime: float | None = None, sync: bool = True
-    ) -> str:
+    def _write_tmp(self, queue: str, item: Item, *, mtime: float | None = None, sync: bool = True) -> str:
         """Write `item` to a fresh file in tmp/ (or over a spare), flushed to disk when fsync is
         on and `sync` (else `_sync_files` does it later); its path."""
-        tmp, fd = self._open_tmp(queue, item, mode=mode, mtime=mtime)
+        tmp, fd = self._open_tmp(queue, item, mtime=mtime)
         try:
             if self.fsync and sync:
                 os.fsync(fd)
@@ -631,14 +631,14 @@ class Store:
             os.close(fd)
         return tmp
 
-    def _open_tmp(self, queue: str, item: Item, *, mode: int = 0o600, mtime: float | None = None) -> tuple[str, int]:
+    def _open_tmp(self, queue: str, item: Item, *, mtime: float | None = None) -> tuple[str, int]:
         """Write `item` to a fresh file in tmp/ (or over a spare); its path and its descriptor,
         still open."""
         tmp = f"{self._dir(queue, 'tmp')}/{item.id}.{secrets.token_hex(6)}.json"
         data = _encode(item)
         reused = self._take_spare(queue, tmp)
         try:
-            fd = os.open(tmp, os.O_WRONLY) if reused else os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+            fd = os.open(tmp, os.O_WRONLY) if reused else os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, _ITEM_MODE)
         except BaseException:
             if reused:
                 _unlink_quietly(tmp)
@@ -647,7 +647,6 @@ class Store:
             os.write(fd, data)
             if reused:
                 os.ftruncate(fd, len(data))  # within its one block: nothing is freed
-                os.fchmod(fd, mode)
                 self._drop_claim_record(fd)
             if mtime is not None:
                 os.utime(fd, (mtime, mtime))
@@ -666,9 +665,9 @@ class Store:
     # sweep's pass or by the next writer; one left by a process that died, after an hour with
     # the other stale tmp/ files.
 
-    def _retire(self, queue: str, path: str) -> bool:
+    def _retire(self, queue: str, path: str) -> None:
         """Take an item's old file out of its state directory: keep it as a spare when there is
-        room, else delete it. False if it was not there."""
+        room, else delete it."""
         with self._spare_lock:
             room = len(self._spares.get(queue, ())) < SPARES_PER_QUEUE
         try:
@@ -681,21 +680,18 @@ class Store:
             else:
                 os.unlink(path)
         except FileNotFoundError:
-            return False
-        return True
+            pass  # gone already
 
     def _take_spare(self, queue: str, tmp: str) -> bool:
         """Move one of the queue's spares to `tmp`, to be written over; False if none is left."""
+        self.expire_spares(queue=queue)
         while True:
             with self._spare_lock:
                 spares = self._spares.get(queue)
                 if not spares:
                     return False
-                spare, kept_at = spares.popleft()
+                spare, _ = spares.popleft()
             try:
-                if time.monotonic() - kept_at > SPARE_SECONDS:
-                    os.unlink(spare)
-                    continue
                 os.rename(spare, tmp)
                 return True
             except FileNotFoundError:
@@ -822,12 +818,10 @@ class Store:
 
     # ---- transitions ----------------------------------------------------------------------
 
-    def post_items(
-        self, *, queue: str, payloads: list[Any], on_claimable: Callable[[], None] | None = None
-    ) -> list[Item]:
+    def post_items(self, *, queue: str, payloads: list[Any]) -> list[Item]:
         """Post a batch, all or nothing, and return once it would survive a power cut; see
         `begin_post`."""
-        return self.begin_post(queue=queue, payloads=payloads, on_claimable=on_claimable)()
+        return self.begin_post(queue=queue, payloads=payloads)()
 
     def begin_post(
         self, *, queue: str, payloads: list[Any], on_claimable: Callable[[], None] | None = None
@@ -1122,7 +1116,7 @@ class Store:
                 item, status="finished", lease_expires_at=None, finished_at=now, result=result, claim_token=None
             )
             outcome = FinishOutcome(item_id, True, "finished")
-        tmp = self._write_tmp(queue, done, mode=_UNFETCHED_MODE, mtime=done.finished_at, sync=sync)
+        tmp = self._write_tmp(queue, done, mtime=done.finished_at, sync=sync)
         return _Prepared(done, tmp, source, identity, outcome)
 
     def _commit_all_done(
@@ -1173,7 +1167,7 @@ class Store:
 
     def _put_done(self, queue: str, source: str, item: Item) -> bool:
         """Move `item` to done/ with its new content; False if done/ already had it."""
-        if not self._link_tmp(queue, item, self._write_tmp(queue, item, mode=_UNFETCHED_MODE, mtime=item.finished_at)):
+        if not self._link_tmp(queue, item, self._write_tmp(queue, item, mtime=item.finished_at)):
             return False
         self._sync_dir(self._dir(queue, "done"))
         self._retire(queue, self._path(queue, source, item.id))

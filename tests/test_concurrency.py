@@ -1,5 +1,6 @@
-"""Four OS processes claim, finish (some twice, some late after a re-queue), release and sweep
-2,000 items on one data directory at once. Each logs every claim and every accepted result; the
+"""Four OS processes claim (both ways a server does: on its event loop and in its store
+thread), finish (some twice, some late after a re-queue), release and sweep 2,000 items on one
+data directory at once. Each logs every claim and every accepted result; the
 test then checks G1 (one state each), G2 (each claim numbered once), G3 (exactly one accepted
 result, the one on disk) and G5 (attempts = claims) for every item.
 
@@ -32,6 +33,7 @@ def worker(data_dir: str, log_path: str, number: int) -> None:
     rng = random.Random(number)
     done_dir = Path(data_dir) / QUEUE / "done"
     held = []  # claims kept to be finished late
+    store.list_pending(queue=QUEUE)  # as a server does before its first claim
     log = []
     sequence = 0
 
@@ -46,7 +48,11 @@ def worker(data_dir: str, log_path: str, number: int) -> None:
 
     stop_at = time.monotonic() + DEADLINE_SECONDS
     while len(os.listdir(done_dir)) < ITEMS and time.monotonic() < stop_at:
-        claimed = store.claim_items(config=config, max_items=rng.randint(1, 5))
+        count = rng.randint(1, 5)
+        # half the claims as the event loop makes them (never waiting for a lock), half as the
+        # store's thread does, so both race each other and the other processes
+        claimed = rng.random() < 0.5 and store.claim_items_now(config=config, max_items=count)
+        claimed = claimed or store.claim_items(config=config, max_items=count)
         for item in claimed:
             log.append(["claim", item.id, item.attempts])
             roll = rng.random()

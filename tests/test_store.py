@@ -1135,7 +1135,7 @@ def test_a_single_post_is_claimable_before_it_is_flushed_and_answered_once_its_n
         real_fsync(fd)
 
     monkeypatch.setattr(os, "fsync", claim_during)
-    (item,) = store.post_items(queue=Q, payloads=["x"], on_claimable=lambda: claimable.append(list(flushed)))
+    (item,) = store.begin_post(queue=Q, payloads=["x"], on_claimable=lambda: claimable.append(list(flushed)))()
     assert claimable == [[]]  # told before anything was flushed
     file_in = "processing" if claimed_during == "the file's flush" else "pending"
     assert flushed == [os.fspath(here / file_in / f"{item.id}.json")] + [os.fspath(here / d) for d in flushed_dirs]
@@ -1165,33 +1165,52 @@ def test_a_single_post_whose_flush_fails_is_taken_back_out_even_if_claimed_meanw
     assert leftovers_in_tmp(store) == []
 
 
-def test_a_batch_removes_old_files_only_after_done_is_synced(tmp_path, clock, config, monkeypatch):
-    """Were a pending file removed before done/ is on disk, a power cut could lose the item."""
-    store = Store(tmp_path / "synced", fsync=True, clock=clock)
-    batch = post(store, 1, 2)
-    events: list[str] = []
+@pytest.fixture
+def disk_steps(monkeypatch) -> list[str]:
+    """Each flush, deletion and keeping of a spare, in order, as the store makes them."""
+    steps: list[str] = []
     real_fsync, real_unlink, real_rename = os.fsync, os.unlink, os.rename
 
     def fsync(fd):
-        events.append("dir" if os.path.isdir(f"/proc/self/fd/{fd}") else "file")
+        steps.append("dir" if os.path.isdir(f"/proc/self/fd/{fd}") else "file")
         real_fsync(fd)
 
     def unlink(path, *args, **kwargs):
-        events.append("unlink " + Path(path).parent.name)
+        steps.append("unlink " + Path(path).parent.name)
         real_unlink(path, *args, **kwargs)
 
     def rename(source, target, *args, **kwargs):
         if Path(target).name.startswith("spare-"):
-            events.append("kept as a spare: " + Path(source).parent.name)
+            steps.append("kept as a spare: " + Path(source).parent.name)
         real_rename(source, target, *args, **kwargs)
 
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(os, "unlink", unlink)
     monkeypatch.setattr(os, "rename", rename)
+    return steps
+
+
+def test_a_batch_removes_old_files_only_after_done_is_synced(tmp_path, clock, config, disk_steps):
+    """Were a pending file removed before done/ is on disk, a power cut could lose the item."""
+    store = Store(tmp_path / "synced", fsync=True, clock=clock)
+    batch = post(store, 1, 2)
+    disk_steps.clear()
     store.finish_items(config=config, results=[(i, "r") for i in batch])
-    assert events == [
+    assert disk_steps == [
         "file", "file", "unlink tmp", "unlink tmp", "dir", "kept as a spare: pending", "kept as a spare: pending"
     ]
+
+
+def test_an_aged_item_leaves_its_old_file_only_after_done_is_synced(tmp_path, clock, config, disk_steps):
+    """G6 and G9: the sweep fails an aged item by writing its done file; were the pending file
+    removed before done/ is on disk, a power cut could lose the item."""
+    store = Store(tmp_path / "synced", fsync=True, clock=clock)
+    (item_id,) = post(store, 1)
+    clock.advance(config.queue_seconds + 1)
+    disk_steps.clear()
+    store.sweep_queue(config=config)
+    assert disk_steps == ["file", "unlink tmp", "dir", "kept as a spare: pending"]
+    assert store.read_item(queue=Q, item_id=item_id).status == "failed"
 
 
 # ---- unsafe input ----------------------------------------------------------------------------
