@@ -67,30 +67,36 @@ async def in_store_threads(begin, /, *args, **kwargs):
     done = loop.create_future()
 
     def settle(result, error) -> None:
-        if not done.done():  # the caller may have gone
-            if error is None:
-                done.set_result(result)
-            else:
-                done.set_exception(error)
+        try:
+            loop.call_soon_threadsafe(_settle, done, result, error)
+        except RuntimeError:
+            pass  # the loop is closed (the server stopped): nobody waits for the answer
 
     def second_half(half) -> None:
         try:
             result = half()
         except BaseException as error:
-            loop.call_soon_threadsafe(settle, None, error)
+            settle(None, error)
         else:
-            loop.call_soon_threadsafe(settle, result, None)
+            settle(result, None)
 
     def first_half() -> None:
         try:
-            half = begin(*args, **kwargs)
+            _flush_thread.submit(second_half, begin(*args, **kwargs))
         except BaseException as error:
-            loop.call_soon_threadsafe(settle, None, error)
-        else:
-            _flush_thread.submit(second_half, half)
+            settle(None, error)
 
     _store_thread.submit(first_half)
-    return await asyncio.shield(done)
+    return await done  # a cancelled caller leaves both halves to run; _settle then skips it
+
+
+def _settle(future: asyncio.Future, result, error) -> None:
+    if future.done():
+        return  # the caller was cancelled
+    if error is None:
+        future.set_result(result)
+    else:
+        future.set_exception(error)
 
 
 async def in_scan_thread(function, /, *args, **kwargs):
@@ -108,14 +114,17 @@ async def claim_items(config, max_items: int) -> list:
     store = get_store()
     if not store.pending_listed(queue=config.name):
         await in_scan_thread(store.list_pending, queue=config.name)
-    claimed = store.claim_items_now(config=config, max_items=min(max_items, CLAIMS_ON_LOOP)) or []
-    if claimed and len(claimed) < min(max_items, CLAIMS_ON_LOOP):
-        return claimed  # it ran out of items (or met a busy one): asking the thread adds nothing
-    if len(claimed) < max_items:
-        try:
-            claimed += await in_store_thread(store.claim_items, config=config, max_items=max_items - len(claimed))
-        except TaskhosterError:
-            if not claimed:
-                raise
-            log.warning("a claim on %s stopped early", config.name, exc_info=True)
+    on_loop = min(max_items, CLAIMS_ON_LOOP)
+    claimed = store.claim_items_now(config=config, max_items=on_loop)
+    if claimed is not None and (len(claimed) < on_loop or on_loop == max_items):
+        # paused, all it asked for, or it ran out of items (or met a busy one): the thread
+        # would add nothing
+        return claimed
+    claimed = claimed or []
+    try:
+        claimed += await in_store_thread(store.claim_items, config=config, max_items=max_items - len(claimed))
+    except TaskhosterError:
+        if not claimed:
+            raise
+        log.warning("a claim on %s stopped early", config.name, exc_info=True)
     return claimed

@@ -3,11 +3,13 @@ waits, and in the store's thread for the rest."""
 
 import asyncio
 import threading
+from dataclasses import replace
 
 import pytest
 
 from queues import runtime
 from queues.runtime import CLAIMS_ON_LOOP, claim_items, get_store
+from queues.exceptions import StorageUnavailable
 from queues.store import QueueConfig
 
 CONFIG = QueueConfig(name="jobs")
@@ -79,3 +81,25 @@ async def test_a_single_post_is_flushed_beside_the_store_thread(monkeypatch):
     busy.result()
     [item] = await asyncio.wait_for(posting, 5)
     assert store.read_item(queue="jobs", item_id=item.id).status == "processing"
+
+
+async def test_a_claim_on_a_paused_queue_is_answered_on_the_event_loop(thread_claims):
+    store = get_store()
+    store.post_items(queue="jobs", payloads=[0, 1])
+    await claim_items(CONFIG, 1)  # the queue's locks are made
+    thread_claims.clear()
+    assert await claim_items(replace(CONFIG, paused=True), 5) == []
+    assert thread_claims == []
+
+
+async def test_an_error_in_a_second_half_reaches_the_caller(monkeypatch):
+    monkeypatch.setattr(get_store(), "fsync", True)
+
+    def begin():
+        def second_half():
+            raise StorageUnavailable("the disk went away")
+
+        return second_half
+
+    with pytest.raises(StorageUnavailable):
+        await asyncio.wait_for(runtime.in_store_threads(begin), 5)

@@ -18,7 +18,7 @@ from queues import consumers
 from queues.bridge import ChannelBridge, group_name
 from queues.events import Hub, hub
 from queues.models import ApiToken
-from queues.runtime import get_registry, get_store
+from queues.runtime import CLAIMS_ON_LOOP, get_registry, get_store
 from queues.services import save_queue
 from queues.store import QueueConfig
 from taskhoster_site.asgi import application
@@ -571,6 +571,31 @@ async def test_a_waiting_claim_gets_a_single_post_while_the_post_waits_for_the_d
             posted = await posting
     assert posted.status_code == 201
     assert answer["ref"] == "waiting" and [item["id"] for item in answer["items"]] == [posted.json()["id"]]
+
+
+async def test_a_claim_split_between_the_event_loop_and_the_store_thread_gives_all_back_at_close(token, monkeypatch):
+    """G8: what a big claim took on the event loop is held while its rest is still in the
+    store's thread, so a socket closed meanwhile re-queues both parts."""
+    store = get_store()
+    real_claim = store.claim_items
+    claiming, finish_claim = threading.Event(), threading.Event()
+    posted = post("jobs", *range(CLAIMS_ON_LOOP + 4))
+    ws = WebsocketCommunicator(application, "/work", headers=auth(token))
+    await ws.connect()
+    assert len((await ask(ws, {"op": "claim", "queue": "jobs"}))["items"]) == 1  # the locks are made
+
+    def slow_claim(**kwargs):
+        claiming.set()
+        finish_claim.wait(TIMEOUT)
+        return real_claim(**kwargs)
+
+    monkeypatch.setattr(store, "claim_items", slow_claim)
+    await ws.send_json_to({"op": "claim", "queue": "jobs", "max": CLAIMS_ON_LOOP + 3})
+    assert await asyncio.to_thread(claiming.wait, TIMEOUT)
+    assert sum(status("jobs", i) == "processing" for i in posted) == 1 + CLAIMS_ON_LOOP  # the loop's part
+    threading.Timer(0.2, finish_claim.set).start()
+    await ws.disconnect(timeout=TIMEOUT)
+    assert [status("jobs", i) for i in posted] == ["pending"] * len(posted)
 
 
 async def test_disconnect_cancels_waiting_claims(token):

@@ -65,7 +65,9 @@ async def _within(check) -> bool:
 async def health(request: Request) -> Answer:
     """The database answers, the data directory is writable, and the store's thread (every
     transition waits for it) is free to take a call; all three at once, none waited for longer
-    than HEALTH_TIMEOUT_SECONDS, so a hung disk makes /healthz 503, never hangs it."""
+    than HEALTH_TIMEOUT_SECONDS, so a disk call hung in a thread makes /healthz 503. (Reads and
+    most claims touch the disk on the event loop itself: a disk that hangs there stalls every
+    answer, this one's too.)"""
     database, data_directory, store_thread = await asyncio.gather(
         _within(get_registry().aping_database()),
         _within(in_scan_thread(get_store().check_writable)),
