@@ -3,7 +3,8 @@
 Each frame's `op` maps to one `handle_<op>` method that validates the frame, calls the store off
 the event loop and answers; the lifecycle rules live in the store. A connection remembers the
 items it holds (with their claim tokens) so that closing the socket re-queues them at once (G8).
-An `id` that is not of the id form is answered `not_found` by the store without touching the disk.
+No well-formed frame closes the socket: any error, expected or not, is answered with an error
+frame.
 """
 
 import asyncio
@@ -17,23 +18,27 @@ from django.conf import settings
 from django.http.request import split_domain_port, validate_host
 
 from . import ids
-from .api.fields import integer_field, json_object, number_field, parse_json
 from .events import hub
-from .exceptions import Forbidden, InvalidRequest, PayloadTooLarge, TaskhosterError, UnknownQueue
-from .runtime import claim_items, get_registry, get_store, in_store_thread, in_store_threads
-from .store import QueueConfig, Store
+from .exceptions import Forbidden, InvalidRequest, NotHeld, PayloadTooLarge, TaskhosterError, UnknownQueue, client_error
+from .protocol import (
+    MAX_CLAIM,
+    MAX_LEASE_SECONDS,
+    MAX_RESULTS,
+    MAX_SOCKET_CLAIM_WAIT_SECONDS,
+    RECHECK_SECONDS,
+    integer_field,
+    json_object,
+    number_field,
+    parse_json,
+    string_field,
+    value_field,
+)
+from .runtime import get_registry, get_store, run
+from .store import Claim, QueueConfig, single
 
 log = logging.getLogger(__name__)
 
 UNAUTHORIZED = 4401  # close code for a handshake without a valid token with the right to work
-MAX_CLAIM = 100
-MAX_CLAIM_WAIT_SECONDS = 300
-MAX_LEASE_SECONDS = 86400
-MAX_RESULTS = 1000
-# a waiting claim re-reads the disk at least this often, so a lost wake-up costs at most this
-RECHECK_SECONDS = 1.0
-# claim tokens are hex: this one never matches, so only the connection's own claims count
-NOT_OURS = ""
 
 FIELDS = {
     "claim": {"op", "ref", "queue", "max", "wait"},
@@ -71,63 +76,13 @@ def parse_frame(data: str | bytes) -> dict:
     """A text frame, or a binary one holding UTF-8 JSON, as a JSON object."""
     raw = data.encode("utf-8", "surrogatepass") if isinstance(data, str) else data
     if len(raw) > settings.TASKHOSTER_MAX_BODY_BYTES:
-        raise PayloadTooLarge(f"the frame is {len(raw)} bytes; the limit is {settings.TASKHOSTER_MAX_BODY_BYTES}")
+        raise PayloadTooLarge(
+            f"the frame is {len(raw)} bytes; the limit is {settings.TASKHOSTER_MAX_BODY_BYTES} (TASKHOSTER_MAX_BODY_BYTES)"
+        )
     frame = parse_json(raw)
     if not isinstance(frame, dict):
         raise InvalidRequest("a frame must be a JSON object")
     return frame
-
-
-def string_field(body: dict, name: str) -> str:
-    if name not in body:
-        raise InvalidRequest(f"the field {name!r} is required")
-    if not isinstance(body[name], str):
-        raise InvalidRequest(f"{name!r} must be a string")
-    return body[name]
-
-
-def result_field(body: dict):
-    if "result" not in body:
-        raise InvalidRequest("the field 'result' is required")
-    return body["result"]
-
-
-def begin_finish_all(store: Store, entries: list[tuple[QueueConfig, str, object]]):
-    """Begin handing in each result, in one store batch per queue (one disk sync each); the
-    second half, returned, gives each item's outcome (its own trouble, such as an unknown id or
-    a result too large, or its queue's disk trouble, included) in the order of `entries`."""
-    positions: dict[str, list[int]] = {}
-    for position, (config, _, _) in enumerate(entries):
-        positions.setdefault(config.name, []).append(position)
-    commits = []
-    for wanted in positions.values():
-        config = entries[wanted[0]][0]
-        commits.append((wanted, store.begin_finish(config=config, results=[entries[p][1:] for p in wanted])))
-
-    def commit_all() -> list:
-        outcomes: list = [None] * len(entries)
-        for wanted, commit in commits:
-            try:
-                settled = commit()
-            except TaskhosterError as error:  # this queue's disk trouble: the other queues go on
-                settled = [error] * len(wanted)
-            for position, outcome in zip(wanted, settled):
-                outcomes[position] = outcome
-        return outcomes
-
-    return commit_all
-
-
-def requeue_all(store: Store, held: dict[tuple[str, str], str]) -> dict[str, int]:
-    """Re-queue every item still held under its claim token; how many went back, per queue."""
-    requeued: dict[str, int] = {}
-    for (queue, item_id), claim_token in held.items():
-        try:
-            if store.requeue_item(queue=queue, item_id=item_id, claim_token=claim_token):
-                requeued[queue] = requeued.get(queue, 0) + 1
-        except TaskhosterError:
-            log.warning("could not re-queue item %s of %s", item_id, queue, exc_info=True)
-    return requeued
 
 
 class WorkConsumer(AsyncWebsocketConsumer):
@@ -184,9 +139,11 @@ class WorkConsumer(AsyncWebsocketConsumer):
         await asyncio.gather(*self.claiming, return_exceptions=True)
         held, self.held = self.held, {}
         if held:
-            requeued = await in_store_thread(requeue_all, get_store(), held)
-            for queue, count in requeued.items():
-                hub.items_available(queue, count)
+            claims = [Claim(queue, item_id, token) for (queue, item_id), token in held.items()]
+            try:
+                await run(get_store().release_items, claims=claims)
+            except Exception:
+                log.exception("could not re-queue the %d items a closed socket held", len(claims))
 
     # ---- frames --------------------------------------------------------------------------
 
@@ -202,12 +159,18 @@ class WorkConsumer(AsyncWebsocketConsumer):
                 raise InvalidRequest(f"'op' must be one of: {', '.join(FIELDS)}")
             json_object(frame, allowed=FIELDS[op], what="the frame")
             await getattr(self, f"handle_{op}")(frame, ref)
-        except TaskhosterError as error:
-            await self.answer("error", ref, code=error.code, message=error.message)
+        except Exception as exc:
+            await self.answer_error(ref, exc)
 
     async def answer(self, op: str, ref, **fields) -> None:
         # ASCII-escaped, so any text a client sent (even a lone surrogate) encodes safely
         await self.send(text_data=json.dumps({"op": op, "ref": ref, **fields}, separators=(",", ":")))
+
+    async def answer_error(self, ref, exc: Exception) -> None:
+        error = client_error(exc)
+        if error is not exc:
+            log.error("a frame on /work failed", exc_info=exc)
+        await self.answer("error", ref, code=error.code, message=error.message)
 
     async def work_queue(self, name: str) -> QueueConfig:
         """The queue's current settings, if this connection's token may work it (checked per frame,
@@ -225,7 +188,7 @@ class WorkConsumer(AsyncWebsocketConsumer):
     async def handle_claim(self, frame: dict, ref) -> None:
         name = string_field(frame, "queue")
         max_items = integer_field(frame, "max", low=1, high=MAX_CLAIM, default=1)
-        wait = number_field(frame, "wait", low=0, high=MAX_CLAIM_WAIT_SECONDS, default=0)
+        wait = number_field(frame, "wait", low=0, high=MAX_SOCKET_CLAIM_WAIT_SECONDS, default=0)
         config = await self.work_queue(name)
         posted = hub.available_mark(name)
         items = await self.claim(config, max_items)
@@ -250,32 +213,28 @@ class WorkConsumer(AsyncWebsocketConsumer):
                 posted = hub.available_mark(name)
                 items = await self.claim(config, max_items)
             await self.answer("items", ref, items=[item.to_json(payload=True) for item in items])
-        except TaskhosterError as error:
-            await self.answer("error", ref, code=error.code, message=error.message)
-        except Exception:
-            # nobody awaits this task: close, so the worker learns its claim will not be answered
-            log.exception("a waiting claim failed")
-            await self.close(code=1011)
+        except Exception as exc:
+            await self.answer_error(ref, exc)
 
     async def claim(self, config: QueueConfig, max_items: int) -> list:
         # shielded: if this connection closes meanwhile, the claim still completes and its
-        # items are recorded as held, so disconnect() re-queues them
+        # items are recorded as held, so let_go() re-queues them
         task = asyncio.create_task(self.claim_and_hold(config, max_items))
         self.claiming.add(task)
         task.add_done_callback(self.claiming.discard)
         return await asyncio.shield(task)
 
     async def claim_and_hold(self, config: QueueConfig, max_items: int) -> list:
-        items = await claim_items(config, max_items)
+        items = await run(get_store().claim_items, config=config, max_items=max_items)
         for item in items:
             self.held[(config.name, item.id)] = item.claim_token
         return items
 
     async def handle_result(self, frame: dict, ref) -> None:
-        name, item_id, result = string_field(frame, "queue"), string_field(frame, "id"), result_field(frame)
+        name, item_id, result = string_field(frame, "queue"), string_field(frame, "id"), value_field(frame, "result")
         config = await self.work_queue(name)
-        outcome = await in_store_threads(get_store().begin_finish_item, config=config, item_id=item_id, result=result)
-        self.settled(name, [(item_id, outcome)])
+        outcome = single(await run(get_store().finish_items, results=[(config, item_id, result)]))
+        self.held.pop((name, item_id), None)
         await self.answer("ack", ref, id=item_id, accepted=outcome.accepted)
 
     async def handle_results(self, frame: dict, ref) -> None:
@@ -287,45 +246,28 @@ class WorkConsumer(AsyncWebsocketConsumer):
         parsed = []
         for entry in entries:
             json_object(entry, allowed=RESULT_FIELDS, what="each result")
-            parsed.append((string_field(entry, "queue"), string_field(entry, "id"), result_field(entry)))
+            parsed.append((string_field(entry, "queue"), string_field(entry, "id"), value_field(entry, "result")))
         configs = {name: await self.work_queue(name) for name in {name for name, _, _ in parsed}}
-        outcomes = await in_store_threads(
-            begin_finish_all, get_store(), [(configs[name], item_id, result) for name, item_id, result in parsed]
+        outcomes = await run(
+            get_store().finish_items, results=[(configs[name], item_id, result) for name, item_id, result in parsed]
         )
         acks = []
-        by_queue: dict[str, list] = {}
         for (name, item_id, _), outcome in zip(parsed, outcomes):
             if isinstance(outcome, TaskhosterError):
                 acks.append({"id": item_id, "accepted": False, "error": outcome.code})
                 continue
+            self.held.pop((name, item_id), None)
             acks.append({"id": item_id, "accepted": outcome.accepted})
-            by_queue.setdefault(name, []).append((item_id, outcome))
-        for name, settled in by_queue.items():
-            self.settled(name, settled)
         await self.answer("acks", ref, items=acks)
-
-    def settled(self, queue: str, outcomes: list) -> None:
-        """After results: the items are terminal, so this connection holds them no more, and
-        reads waiting on those that just ended wake."""
-        ended = []
-        for item_id, outcome in outcomes:
-            self.held.pop((queue, item_id), None)
-            if outcome.accepted or outcome.status == "failed":
-                ended.append(item_id)
-        if ended:
-            hub.items_terminal(queue, ended)
 
     async def handle_extend(self, frame: dict, ref) -> None:
         """Extend the lease of an item this connection holds (else `not_held`)."""
         name, item_id = string_field(frame, "queue"), string_field(frame, "id")
         seconds = number_field(frame, "seconds", low=1, high=MAX_LEASE_SECONDS)
         await self.work_queue(name)
-        item = await in_store_thread(
-            get_store().extend_lease,
-            queue=name,
-            item_id=item_id,
-            seconds=seconds,
-            claim_token=self.held.get((name, item_id), NOT_OURS),
+        claim = await self.held_claim(name, item_id)
+        item = await run(
+            get_store().extend_lease, queue=name, item_id=item_id, seconds=seconds, claim_token=claim.claim_token
         )
         await self.answer("extended", ref, id=item_id, leaseExpiresAt=ids.iso(item.lease_expires_at))
 
@@ -333,9 +275,16 @@ class WorkConsumer(AsyncWebsocketConsumer):
         """Put an item this connection holds back to pending now (else `not_held`)."""
         name, item_id = string_field(frame, "queue"), string_field(frame, "id")
         await self.work_queue(name)
-        await in_store_thread(
-            get_store().release_item, queue=name, item_id=item_id, claim_token=self.held.get((name, item_id), NOT_OURS)
-        )
+        claim = await self.held_claim(name, item_id)
+        single(await run(get_store().release_items, claims=[claim]))
         self.held.pop((name, item_id), None)
-        hub.items_available(name, 1)
         await self.answer("released", ref, id=item_id)
+
+    async def held_claim(self, queue: str, item_id: str) -> Claim:
+        """This connection's claim of the item; `not_held` if it has none (`not_found` if the
+        server has no such item)."""
+        token = self.held.get((queue, item_id))
+        if token is None:
+            await run(get_store().read_item, queue=queue, item_id=item_id)
+            raise NotHeld(f"item {item_id} is not held by this connection")
+        return Claim(queue, item_id, token)

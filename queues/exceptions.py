@@ -89,3 +89,25 @@ class StorageUnavailable(TaskhosterError):
 
 class UnsafePath(SuspiciousOperation):
     """A queue name, state or item id that must never reach the file system."""
+
+
+class InternalError(TaskhosterError):
+    """An unexpected fault of the server; its traceback is in the server's log."""
+
+    code = "internal_error"
+    status = 500
+
+
+def client_error(error: Exception) -> TaskhosterError:
+    """What a client is told of an error a call raised: a domain error as it is; a failure of the
+    disk or the database as `storage_unavailable`; anything else as `internal_error` (which the
+    caller logs with its traceback)."""
+    from django.db import DatabaseError
+
+    if isinstance(error, TaskhosterError):
+        return error
+    if isinstance(error, DatabaseError):
+        return StorageUnavailable("the database does not answer; try again")
+    if isinstance(error, OSError):
+        return StorageUnavailable(f"the data directory cannot be used: {error.strerror or error}")
+    return InternalError("the server failed on this request; see its log")

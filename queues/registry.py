@@ -6,7 +6,7 @@ import asyncio
 import logging
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor
 from dataclasses import dataclass
 
 from django.db import DatabaseError, close_old_connections, connection
@@ -40,7 +40,7 @@ class TokenGrant:
 
 
 class Registry:
-    def __init__(self, *, max_age: float = MAX_AGE_SECONDS):
+    def __init__(self, database_thread: Executor, *, max_age: float = MAX_AGE_SECONDS):
         self.max_age = max_age
         self._queues: dict[str, QueueConfig] = {}
         self._tokens: dict[str, TokenGrant] = {}
@@ -48,8 +48,7 @@ class Registry:
         self._loaded_once = False
         self._used: set[int] = set()
         self._lock = threading.Lock()
-        # one thread for every database read, so the hot path never waits on a new connection
-        self._db_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="registry")
+        self._db_thread = database_thread  # every database read, so connections are reused
         self._refreshing: asyncio.Future | None = None
 
     @property
@@ -101,8 +100,8 @@ class Registry:
 
     def ping_database(self) -> bool:
         """True when the database answers a trivial query (for /healthz)."""
-        close_old_connections()
         try:
+            close_old_connections()
             with connection.cursor() as cursor:
                 cursor.execute("SELECT 1")
             return True

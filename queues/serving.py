@@ -20,7 +20,6 @@ from django.core.management import call_command
 from django.core.management.base import CommandError
 
 from .bridge import ChannelBridge
-from .events import hub
 from .runtime import get_registry, get_store
 from .sweep import Sweeper
 
@@ -42,26 +41,21 @@ def prepare() -> None:
     """Bring the database schema up to date and make the data directory."""
     call_command("migrate", interactive=False, verbosity=0)
     store = get_store()
-    store.data_dir.mkdir(parents=True, exist_ok=True)
     get_registry().refresh()
     for config in get_registry().queues():
         store.ensure_queue(config.name)
 
 
 def start_sweeper() -> tuple[threading.Thread, threading.Event]:
-    """The sweep loop in a thread; what it re-queues or fails wakes waiting claims and reads."""
+    """The sweep loop in a thread; what it re-queues or fails wakes waiting claims and reads (the
+    store tells the hub)."""
     registry = get_registry()
 
     def configs():
         registry.refresh()
         return registry.queues()
 
-    sweeper = Sweeper(
-        get_store(),
-        configs,
-        on_requeued=lambda queue, item_ids: hub.items_available(queue, len(item_ids)),
-        on_failed=lambda queue, item_ids: hub.items_terminal(queue, item_ids),
-    )
+    sweeper = Sweeper(get_store(), configs)
     stop = threading.Event()
     thread = threading.Thread(
         target=sweeper.run,

@@ -8,26 +8,13 @@ from .store import QueueConfig, Store
 
 log = logging.getLogger(__name__)
 
-Requeued = Callable[[str, list[str]], None]
-Failed = Callable[[str, list[str]], None]
-
-
 class Sweeper:
     """Runs passes over every queue. Safe beside other sweepers: each change is a transition
     under the item's lock, and one another sweeper already made is simply skipped."""
 
-    def __init__(
-        self,
-        store: Store,
-        configs: Callable[[], Iterable[QueueConfig]],
-        *,
-        on_requeued: Requeued | None = None,
-        on_failed: Failed | None = None,
-    ):
+    def __init__(self, store: Store, configs: Callable[[], Iterable[QueueConfig]]):
         self.store = store
         self.configs = configs
-        self.on_requeued = on_requeued
-        self.on_failed = on_failed  # so reads waiting on those items wake
 
     def sweep_once(self) -> dict[str, dict[str, int]]:
         """One pass; returns what changed per queue (queues with no change are left out)."""
@@ -44,10 +31,6 @@ class Sweeper:
 
     def _sweep_queue(self, config: QueueConfig) -> dict[str, int]:
         changes = self.store.sweep_queue(config=config)
-        if changes.requeued and self.on_requeued:
-            self.on_requeued(config.name, changes.requeued)
-        if changes.failed and self.on_failed:
-            self.on_failed(config.name, changes.failed)
         return {
             "repaired": len(changes.repaired),
             "failed": len(changes.failed),

@@ -46,6 +46,8 @@ TASKHOSTER_SWEEP_INTERVAL = env.float("TASKHOSTER_SWEEP_INTERVAL", default=1.0)
 TASKHOSTER_FSYNC = env.bool("TASKHOSTER_FSYNC", default=True)
 TASKHOSTER_MAX_PAYLOAD_BYTES = env.int("TASKHOSTER_MAX_PAYLOAD_BYTES", default=1 << 20)
 TASKHOSTER_MAX_BODY_BYTES = env.int("TASKHOSTER_MAX_BODY_BYTES", default=16 << 20)
+# unset: 64 MiB, but at most 5% of the data directory's file system (queues/store/transitions.py)
+TASKHOSTER_MIN_FREE_BYTES = env.int("TASKHOSTER_MIN_FREE_BYTES", default=None)
 
 INSTALLED_APPS = [
     "daphne",

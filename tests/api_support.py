@@ -29,7 +29,7 @@ def disk_snapshot() -> list[str]:
     """Every file and directory under the data directory, with its place; but the queue's lock
     file, which the store makes on a queue's first item lookup and which holds no data."""
     root = Path(get_store().data_dir)
-    return sorted(str(path.relative_to(root)) for path in root.rglob("*") if path.name != ".lock")
+    return sorted(str(path.relative_to(root)) for path in root.rglob("*") if path.parent.name != "locks")
 
 
 @pytest.fixture

@@ -1,7 +1,9 @@
 import pytest
 
+from faults import faults  # noqa: F401  (a fixture for every test module)
+
 from queues.runtime import get_registry, get_store
-from queues.store import QueueConfig, Store
+from queues.store import QueueConfig, Store, files
 
 START = 1_796_000_000.0  # 2026-11-30, a fixed instant for the injected clock
 
@@ -25,21 +27,17 @@ def clock() -> FakeClock:
 
 
 @pytest.fixture(params=["claim-xattrs", "claim-rewrites"])
-def store(request, tmp_path, clock) -> Store:
-    """A store as on Linux (claims recorded in an xattr), and as where xattrs are missing (claims
-    rewrite the file)."""
-    store = Store(tmp_path / "store", fsync=False, max_payload_bytes=1024, clock=clock)
+def store(request, tmp_path, clock, monkeypatch) -> Store:
+    """A store as on Linux (claims recorded in an xattr), and as on a file system without
+    xattrs (claims rewrite the file)."""
     if request.param == "claim-rewrites":
-        store.claim_xattrs = False
-    return store
+        monkeypatch.setattr(files, "set_xattr", lambda path, name, value: False)
+    return Store(tmp_path / "store", fsync=False, max_payload_bytes=1024, clock=clock)
 
 
 def alongside(store: Store, **options) -> Store:
-    """Another store over the same data directory (as another process would open it), claiming
-    the same way as `store`: every process on one file system has xattrs or none has."""
-    other = Store(store.data_dir, fsync=False, **options)
-    other.claim_xattrs = store.claim_xattrs
-    return other
+    """Another store over the same data directory, as another process would open it."""
+    return Store(store.data_dir, fsync=False, **options)
 
 
 @pytest.fixture
@@ -72,8 +70,7 @@ def post_lands_mid_claim(monkeypatch) -> list[str]:
     def claim_then_post(**kwargs):
         items = real_claim(**kwargs)
         if not posted:
-            posted.extend(item.id for item in store.post_items(queue="jobs", payloads=["late"]))
-            hub.items_available("jobs", 1)
+            posted.extend(item.id for item in store.post_items(queue="jobs", payloads=["late"]))  # tells the hub
         return items
 
     monkeypatch.setattr(store, "claim_items", claim_then_post)

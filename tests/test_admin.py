@@ -7,6 +7,7 @@ import pytest
 from queues.models import ApiToken, Queue, hash_token
 from queues.runtime import get_registry, get_store
 from queues.services import save_queue
+from storekit import finish
 
 VALID_QUEUE = {
     "name": "thumbs",
@@ -34,7 +35,7 @@ def test_queue_list_shows_settings_and_live_counts_by_state(admin_client):
     store = get_store()
     store.post_items(queue="thumbs", payloads=[1, 2, 3])
     [item] = store.claim_items(config=thumbs.config())
-    store.finish_item(config=thumbs.config(), item_id=item.id, result=None)
+    finish(store, thumbs.config(), item.id, None)
 
     html = admin_client.get("/admin/queues/queue/").content.decode()
 

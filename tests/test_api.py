@@ -14,7 +14,8 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from api_support import api, bearer, disk_snapshot, queues, tokens  # noqa: F401  (fixtures)
 from queues import ids
 from queues.api import handlers
-from queues.runtime import get_registry, get_store, in_store_thread, in_store_threads
+from queues import runtime
+from queues.runtime import get_registry, get_store, run
 from queues.services import save_queue
 from queues.store import QueueConfig, Store
 
@@ -74,25 +75,13 @@ async def test_read_item_shows_the_payload_only_when_asked(api, queues, tokens):
     assert with_payload.json() == {**item, "payload": {"photo": 7}}
 
 
-async def test_a_first_claim_lists_the_pending_directory_beside_the_store_thread(api, queues, tokens, monkeypatch):
-    """A fresh process's first claim lists pending/ (1.7 s at a million items): never on the one
-    thread every post and result goes through."""
-    other = Store(get_store().data_dir, fsync=False)  # as another process: this one never saw it
+async def test_a_first_claim_finds_what_another_process_posted(api, queues, tokens):
+    other = Store(get_store().data_dir, fsync=False)  # as another process: this one never saw them
     posted = other.post_items(queue="jobs", payloads=[1, 2])
-    store = get_store()
-    real_list = store.list_pending
-    listed_on = []
 
-    def recording(**kwargs):
-        listed_on.append(threading.current_thread().name)
-        real_list(**kwargs)
-
-    monkeypatch.setattr(store, "list_pending", recording)
     claimed = await claim(api, tokens["worker"], max=5)
+
     assert [c["id"] for c in claimed] == [item.id for item in posted]
-    assert len(listed_on) == 1 and listed_on[0].startswith("store-scan")
-    await claim(api, tokens["worker"])
-    assert len(listed_on) == 1  # once per process and queue
 
 
 async def test_claim_hands_out_items_oldest_first_with_payloads_and_a_lease(api, queues, tokens):
@@ -240,11 +229,11 @@ async def test_first_terminal_answer_counts_as_the_fetch_for_retention(api, queu
     await api.post(f"/api/queues/jobs/items/{item['id']}/result", json={"result": 1}, headers=bearer(tokens["all"]))
     store = get_store()
 
-    assert store.delete_expired(config=config) == []  # never fetched: kept
+    assert store.sweep_queue(config=config).deleted == []  # never fetched: kept
     shown = await api.get(f"/api/queues/jobs/items/{item['id']}", headers=bearer(tokens["all"]))
 
     assert shown.json()["status"] == "finished"
-    assert store.delete_expired(config=config) == [item["id"]]
+    assert store.sweep_queue(config=config).deleted == [item["id"]]
 
 
 async def test_health_is_ok_when_database_and_data_directory_work(api, transactional_db):
@@ -278,17 +267,17 @@ async def test_health_is_503_when_the_database_does_not_answer(api, transactiona
 
 @pytest.mark.parametrize("stuck", ["storeThread", "dataDirectory"])
 async def test_health_is_503_while_a_check_hangs(api, transactional_db, monkeypatch, stuck):
-    """Every transition waits for the one store thread, and the directory check for the disk:
-    when either hangs (a disk call that never returns), /healthz says so within its timeout,
-    rather than answer 200 while posts, claims and results hang, or hang itself."""
+    """Every transition waits for a store thread, and the directory check for the disk: when
+    either hangs (disk calls that never return), /healthz says so within its timeout, rather
+    than answer 200 while posts, claims and results hang, or hang itself."""
     monkeypatch.setattr(handlers, "HEALTH_TIMEOUT_SECONDS", 1.0)
     release = threading.Event()
     held = None
-    if stuck == "storeThread":
-        held = asyncio.ensure_future(in_store_thread(release.wait))  # the thread is process-wide
+    if stuck == "storeThread":  # every one of the process's store threads is taken
+        held = asyncio.gather(*(run(release.wait) for _ in range(runtime.STORE_THREADS)))
     else:
-        check_writable = Store.check_writable
-        monkeypatch.setattr(Store, "check_writable", lambda store: release.wait() and check_writable(store))
+        check_health = Store.check_health
+        monkeypatch.setattr(Store, "check_health", lambda store: release.wait() and check_health(store))
     try:
         answer = await asyncio.wait_for(api.get("/healthz"), 30)  # not forever: a hang fails the test
 
@@ -315,20 +304,19 @@ async def test_a_payload_nested_to_the_limit_is_taken(api, queues, tokens):
     assert claimed[0]["id"] == item["id"] and claimed[0]["payload"] == value
 
 
-async def test_a_batch_begun_is_finished_even_if_its_caller_is_cancelled(queues, monkeypatch):
-    """A batch's second half (flush, move into pending/) is handed to the flush thread by the
-    store's thread itself: a caller cancelled in between leaves no half-done batch."""
+async def test_a_post_begun_is_finished_even_if_its_caller_is_cancelled(queues, monkeypatch):
+    """A transition handed to a store thread runs to its end: a caller cancelled meanwhile (its
+    client went away) leaves no half-done batch."""
     store = get_store()
     gate = threading.Event()
-    real_begin = store.begin_post
+    real_post = store.post_items
 
-    def slow_begin(**kwargs):
-        publish = real_begin(**kwargs)
-        gate.wait(5)  # the caller is cancelled while this half still runs
-        return publish
+    def slow_post(**kwargs):
+        gate.wait(5)  # the caller is cancelled while this waits
+        return real_post(**kwargs)
 
-    monkeypatch.setattr(store, "begin_post", slow_begin)
-    posting = asyncio.create_task(in_store_threads(store.begin_post, queue="jobs", payloads=[1, 2]))
+    monkeypatch.setattr(store, "post_items", slow_post)
+    posting = asyncio.create_task(run(store.post_items, queue="jobs", payloads=[1, 2]))
     await asyncio.sleep(0.2)
     posting.cancel()
     gate.set()
@@ -338,4 +326,4 @@ async def test_a_batch_begun_is_finished_even_if_its_caller_is_cancelled(queues,
             break
         await asyncio.sleep(0.025)
     assert len(os.listdir(queue_dir / "pending")) == 2
-    assert [name for name in os.listdir(queue_dir / "tmp") if not name.startswith("spare-")] == []
+    assert os.listdir(queue_dir / "tmp") == []

@@ -14,6 +14,7 @@ from queues.models import Queue
 from queues.runtime import get_store
 from queues.services import save_queue
 from queues.store import QueueConfig, Store
+from storekit import finish
 
 pytestmark = pytest.mark.django_db
 
@@ -142,7 +143,7 @@ def test_sweep_once_prints_what_changed():
     an_hour_ago = Store(store.data_dir, fsync=False, clock=lambda: time.time() - 3600)
     config = Queue.objects.get(name="thumbs").config()
     assert [i.id for i in an_hour_ago.claim_items(config=config)] == [lapsed]
-    assert store.finish_item(config=config, item_id=finished, result="r").accepted
+    assert finish(store, config, finished, "r").accepted
     stale = store.data_dir / "thumbs" / "tmp" / "left-by-a-crash.json"
     stale.write_text("{}")
     os.utime(stale, (time.time() - 7200, time.time() - 7200))

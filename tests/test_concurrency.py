@@ -1,6 +1,5 @@
-"""Four OS processes claim (both ways a server does: on its event loop and in its store
-thread), finish (some twice, some late after a re-queue), release and sweep 2,000 items on one
-data directory at once. Each logs every claim and every accepted result; the
+"""Four OS processes claim, finish (some twice, some late after a re-queue), release and sweep
+2,000 items on one data directory at once. Each logs every claim and every accepted result; the
 test then checks G1 (one state each), G2 (each claim numbered once), G3 (exactly one accepted
 result, the one on disk) and G5 (attempts = claims) for every item.
 
@@ -15,6 +14,7 @@ import sys
 import time
 from collections import Counter, defaultdict
 from pathlib import Path
+from storekit import finish
 
 QUEUE = "jobs"
 ITEMS = 2000
@@ -24,7 +24,7 @@ PROJECT = Path(__file__).resolve().parent.parent
 
 
 def worker(data_dir: str, log_path: str, number: int) -> None:
-    from queues.store import QueueConfig, Store
+    from queues.store import Claim, QueueConfig, Store
 
     config = QueueConfig(name=QUEUE, lease_seconds=60, queue_seconds=86400, retain_seconds=86400)
     store = Store(data_dir, fsync=False)
@@ -33,15 +33,14 @@ def worker(data_dir: str, log_path: str, number: int) -> None:
     rng = random.Random(number)
     done_dir = Path(data_dir) / QUEUE / "done"
     held = []  # claims kept to be finished late
-    store.list_pending(queue=QUEUE)  # as a server does before its first claim
     log = []
     sequence = 0
 
-    def finish(item_id: str, *, late: bool = False) -> bool:
+    def hand_in(item_id: str, *, late: bool = False) -> bool:
         nonlocal sequence
         sequence += 1
         result = {"worker": number, "seq": sequence, "late": late}
-        outcome = store.finish_item(config=config, item_id=item_id, result=result)
+        outcome = finish(store, config, item_id, result)
         if outcome.accepted:
             log.append(["accepted", item_id, result])
         return outcome.accepted
@@ -49,28 +48,25 @@ def worker(data_dir: str, log_path: str, number: int) -> None:
     stop_at = time.monotonic() + DEADLINE_SECONDS
     while len(os.listdir(done_dir)) < ITEMS and time.monotonic() < stop_at:
         count = rng.randint(1, 5)
-        # half the claims as the event loop makes them (never waiting for a lock), half as the
-        # store's thread does, so both race each other and the other processes
-        claimed = rng.random() < 0.5 and store.claim_items_now(config=config, max_items=count)
-        claimed = claimed or store.claim_items(config=config, max_items=count)
+        claimed = store.claim_items(config=config, max_items=count)
         for item in claimed:
             log.append(["claim", item.id, item.attempts])
             roll = rng.random()
             if roll < 0.5:
-                finish(item.id)
+                hand_in(item.id)
             elif roll < 0.6:
-                if finish(item.id) and finish(item.id):
+                if hand_in(item.id) and hand_in(item.id):
                     log.append(["finished twice", item.id, None])
             elif roll < 0.75:
-                store.requeue_item(queue=QUEUE, item_id=item.id, claim_token=item.claim_token)
+                store.release_items(claims=[Claim(QUEUE, item.id, item.claim_token)])
             else:
                 held.append(item)
         if held and (not claimed or rng.random() < 0.3):
-            finish(held.pop(0).id, late=True)  # it may have been re-queued, re-claimed or finished
+            hand_in(held.pop(0).id, late=True)  # it may have been re-queued, re-claimed or finished
         if rng.random() < 0.05:
             sweeper.sweep_queue(config=config)
     for item in held:
-        finish(item.id, late=True)
+        hand_in(item.id, late=True)
     Path(log_path).write_text("\n".join(json.dumps(entry) for entry in log) + "\n")
 
 
@@ -108,8 +104,7 @@ def test_processes_racing_on_one_directory_keep_every_guarantee(tmp_path):
     assert names["pending"] == names["processing"] == []
     assert names["done"] == sorted(f"{i}.json" for i in posted), "an item was lost or doubled"
     assert os.listdir(queue_dir / "quarantine") == []
-    # nothing half-written is left; the processes' kept old item files (spares) may be
-    assert [name for name in os.listdir(queue_dir / "tmp") if not name.startswith("spare-")] == []
+    assert os.listdir(queue_dir / "tmp") == []  # nothing half-written is left
     assert sum(len(c) for c in claims.values()) > ITEMS  # re-queues happened
     assert any(len(c) > 2 for c in claims.values())
     for item_id in posted:

@@ -16,6 +16,7 @@ import sys
 import time
 from collections import defaultdict
 from pathlib import Path
+from storekit import finish, release
 
 QUEUE = "jobs"
 KILLS = 25
@@ -36,9 +37,9 @@ def child(data_dir: str, log_path: str, seed: int) -> None:
     def record(lines: list[str]) -> None:
         os.write(log, "".join(line + "\n" for line in lines).encode())  # one write: never torn
 
-    def finish(item_id: str) -> None:
+    def hand_in(item_id: str) -> None:
         result = {"seed": seed, "nonce": rng.random()}
-        if store.finish_item(config=config, item_id=item_id, result=result).accepted:
+        if finish(store, config, item_id, result).accepted:
             record([f"A {item_id} {json.dumps(result)}"])
 
     held = []
@@ -49,13 +50,13 @@ def child(data_dir: str, log_path: str, seed: int) -> None:
         for item in store.claim_items(config=config, max_items=rng.randint(1, 4)):
             roll = rng.random()
             if roll < 0.55:
-                finish(item.id)
+                hand_in(item.id)
             elif roll < 0.75:
-                store.release_item(queue=QUEUE, item_id=item.id, claim_token=item.claim_token)
+                release(store, QUEUE, item.id, item.claim_token)
             else:
                 held.append(item.id)  # finished late, or left to lapse
         if held and rng.random() < 0.3:
-            finish(held.pop(rng.randrange(len(held))))
+            hand_in(held.pop(rng.randrange(len(held))))
         if rng.random() < 0.1:
             sweeper.sweep_once()
 

@@ -21,6 +21,7 @@ from queues.models import Queue
 from queues.runtime import get_registry, get_store
 from queues.services import save_queue
 from queues.store import QueueConfig, Store
+from storekit import finish, release
 from taskhoster_site.asgi import application
 
 PROJECT = Path(__file__).resolve().parent.parent
@@ -131,7 +132,7 @@ def test_dashboard_shows_every_queue_with_counts_by_state(staff_client, queue):
     store = get_store()
     post("thumbs", 1, 2, 3, 4)
     [claimed] = store.claim_items(config=queue.config())
-    store.finish_item(config=queue.config(), item_id=claimed.id, result="ok")
+    finish(store, queue.config(), claimed.id, "ok")
     store.claim_items(config=queue.config())
 
     response = staff_client.get("/")
@@ -159,7 +160,7 @@ def test_dashboard_shows_oldest_pending_age_and_throughput(staff_client, queue, 
     clocked_store.post_items(queue="thumbs", payloads=[1, 2])
     clock.advance(125)
     [item] = clocked_store.claim_items(config=config)
-    clocked_store.finish_item(config=config, item_id=item.id, result=None)
+    finish(clocked_store, config, item.id, None)
 
     response = staff_client.get("/")
 
@@ -230,7 +231,7 @@ def test_processing_list_shows_attempts_and_lease_time_left(staff_client, queue,
     config = queue.config()
     clocked_store.post_items(queue="thumbs", payloads=[1])
     [item] = clocked_store.claim_items(config=config)
-    clocked_store.release_item(queue="thumbs", item_id=item.id)
+    release(clocked_store, "thumbs", item.id)
     clocked_store.claim_items(config=config)
     clock.advance(15)
 
@@ -250,9 +251,9 @@ def test_done_list_shows_finished_and_failed_items(staff_client, db, clocked_sto
     config = save_queue("thumbs", queue_seconds=60).config()
     clocked_store.post_items(queue="thumbs", payloads=[1, 2])
     [item] = clocked_store.claim_items(config=config)
-    clocked_store.finish_item(config=config, item_id=item.id, result="ok")
+    finish(clocked_store, config, item.id, "ok")
     clock.advance(61)
-    clocked_store.fail_aged(config=config)
+    clocked_store.sweep_queue(config=config)
 
     response = staff_client.get("/queues/thumbs/?state=done")
 
@@ -268,7 +269,7 @@ def test_item_page_shows_payload_and_result_as_pretty_json(staff_client, queue):
     store = get_store()
     [item_id] = post("thumbs", {"image": "cat.png", "sizes": [64, 128]})
     store.claim_items(config=queue.config())
-    store.finish_item(config=queue.config(), item_id=item_id, result={"ok": True, "note": "<b>fine</b>"})
+    finish(store, queue.config(), item_id, {"ok": True, "note": "<b>fine</b>"})
 
     response = staff_client.get(f"/queues/thumbs/items/{item_id}/")
 
@@ -283,7 +284,7 @@ def test_item_page_of_a_failed_item_shows_the_error(staff_client, db, clocked_st
     config = save_queue("thumbs", queue_seconds=5).config()
     [item] = clocked_store.post_items(queue="thumbs", payloads=[None])
     clock.advance(6)
-    clocked_store.fail_aged(config=config)
+    clocked_store.sweep_queue(config=config)
 
     response = staff_client.get(f"/queues/thumbs/items/{item.id}/")
 
@@ -296,13 +297,13 @@ def test_viewing_an_item_is_not_a_fetch(staff_client, db):
     store = get_store()
     [item_id] = post("thumbs", 1)
     store.claim_items(config=queue.config())
-    store.finish_item(config=queue.config(), item_id=item_id, result=1)
+    finish(store, queue.config(), item_id, 1)
 
     assert staff_client.get(f"/queues/thumbs/items/{item_id}/").status_code == 200
-    assert store.delete_expired(config=queue.config()) == []  # never fetched: kept
+    assert store.sweep_queue(config=queue.config()).deleted == []  # never fetched: kept
 
-    store.read_item(queue="thumbs", item_id=item_id, fetch=True, retain_from="fetched")
-    assert store.delete_expired(config=queue.config()) == [item_id]
+    store.read_item(queue="thumbs", item_id=item_id, fetch=True)
+    assert store.sweep_queue(config=queue.config()).deleted == [item_id]
 
 
 def test_an_item_deleted_while_someone_looks_at_it_is_a_gone_page(staff_client, db):
@@ -311,8 +312,8 @@ def test_an_item_deleted_while_someone_looks_at_it_is_a_gone_page(staff_client, 
     [item_id] = post("thumbs", 1)
     assert staff_client.get(f"/queues/thumbs/items/{item_id}/").status_code == 200
     store.claim_items(config=queue.config())
-    store.finish_item(config=queue.config(), item_id=item_id, result=1)
-    store.delete_expired(config=queue.config())
+    finish(store, queue.config(), item_id, 1)
+    store.sweep_queue(config=queue.config())
 
     response = staff_client.get(f"/queues/thumbs/items/{item_id}/")
 
@@ -332,11 +333,11 @@ def test_a_malformed_or_unknown_item_id_is_a_gone_page(staff_client, queue, item
 
 
 def test_requeue_puts_a_processing_item_back_to_pending_and_wakes_a_worker(staff_client, queue, monkeypatch):
-    woken = []
-    monkeypatch.setattr(hub, "items_available", lambda name, count=1, **_: woken.append((name, count)))
     store = get_store()
     [item_id] = post("thumbs", 1)
     store.claim_items(config=queue.config())
+    woken = []
+    monkeypatch.setattr(hub, "items_available", lambda name, count=1, **_: woken.append((name, count)))
 
     response = staff_client.post(f"/queues/thumbs/items/{item_id}/requeue", follow=True)
 
@@ -357,10 +358,10 @@ def test_requeue_returns_to_the_page_it_came_from(staff_client, queue):
 
 
 def test_requeue_of_an_item_that_is_not_processing_changes_nothing(staff_client, queue, monkeypatch):
-    woken = []
-    monkeypatch.setattr(hub, "items_available", lambda *args, **kwargs: woken.append(args))
     store = get_store()
     [item_id] = post("thumbs", 1)
+    woken = []
+    monkeypatch.setattr(hub, "items_available", lambda *args, **kwargs: woken.append(args))
 
     response = staff_client.post(f"/queues/thumbs/items/{item_id}/requeue", follow=True)
 
@@ -431,10 +432,10 @@ config = QueueConfig(name="thumbs", queue_seconds=60)
 server = Store(sys.argv[1], fsync=False)
 items = server.post_items(queue="thumbs", payloads=[1, 2, 3, 4, 5])
 for item in server.claim_items(config=config, max_items=2):
-    server.finish_item(config=config, item_id=item.id, result="ok")
+    server.finish_items(results=[(config, item.id, "ok")])
 server.claim_items(config=config)
 sweeper = Store(sys.argv[1], fsync=False, clock=lambda: time.time() + 61)
-sweeper.fail_aged(config=config)
+sweeper.sweep_queue(config=config)
 """
 
 

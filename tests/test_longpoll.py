@@ -12,6 +12,7 @@ from api_support import api, bearer, queues, tokens  # noqa: F401  (fixtures)
 from queues.api import application, handlers
 from queues.events import hub
 from queues.runtime import get_registry, get_store
+from storekit import finish
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -55,17 +56,17 @@ async def test_a_result_that_lands_while_the_read_looks_at_the_disk_still_wakes_
 ):
     item_id = await post(api, tokens["all"])
     store = get_store()
-    real_read = store.read_item_unlocked
+    real_read = store.read_item
     handed_in = []
 
     def read_then_result(**kwargs):  # the result comes after the read, before the wait
         item = real_read(**kwargs)
         if not handed_in:
-            handed_in.append(store.finish_item(config=get_registry().queue("jobs"), item_id=item_id, result=2))
+            handed_in.append(finish(store, get_registry().queue("jobs"), item_id, 2))
             hub.items_terminal("jobs", [item_id])
         return item
 
-    monkeypatch.setattr(store, "read_item_unlocked", read_then_result)
+    monkeypatch.setattr(store, "read_item", read_then_result)
     answer = await asyncio.wait_for(
         api.get(f"/api/queues/jobs/items/{item_id}?wait=20", headers=bearer(tokens["all"])), timeout=5
     )
@@ -79,7 +80,7 @@ async def test_a_waiting_read_sees_a_result_from_another_process_by_re_reading(a
 
     handed_in = time.monotonic()
     config = get_registry().queue("jobs")
-    get_store().finish_item(config=config, item_id=item_id, result=2)  # no wake-up: as another process would
+    finish(get_store(), config, item_id, 2)  # no wake-up: as another process would
     answer = await reading
 
     assert time.monotonic() - handed_in < 3.0  # the re-read comes once a second, long before wait=10 ends
@@ -90,13 +91,13 @@ async def test_a_waiting_read_answers_the_pending_item_when_the_wait_ends(api, q
     item_id = await post(api, tokens["all"])
     store = get_store()
     reads = []
-    real_read = store.read_item_unlocked
+    real_read = store.read_item
 
     def counted_read(**kwargs):
         reads.append(time.monotonic())
         return real_read(**kwargs)
 
-    monkeypatch.setattr(store, "read_item_unlocked", counted_read)
+    monkeypatch.setattr(store, "read_item", counted_read)
 
     started = time.monotonic()
     answer = await api.get(f"/api/queues/jobs/items/{item_id}?wait=1.5", headers=bearer(tokens["all"]))
@@ -104,17 +105,6 @@ async def test_a_waiting_read_answers_the_pending_item_when_the_wait_ends(api, q
     assert time.monotonic() - started >= 1.5
     assert (answer.status_code, answer.json()["status"]) == (200, "pending")
     assert 2 <= len(reads) <= 4  # one read, then about one a second: no busy loop
-
-
-async def test_a_read_that_finds_the_item_mid_move_asks_again_under_its_lock(api, queues, tokens, monkeypatch):
-    item_id = await post(api, tokens["all"])
-    store = get_store()
-    monkeypatch.setattr(store, "read_item_unlocked", lambda **kwargs: None)  # as if caught mid-move
-    answer = await api.get(f"/api/queues/jobs/items/{item_id}", headers=bearer(tokens["all"]))
-    assert (answer.status_code, answer.json()["id"], answer.json()["status"]) == (200, item_id, "pending")
-    missing = "0193a4b2-7c1e-7d3a-9f00-2b6c1d0e4f55"
-    answer = await api.get(f"/api/queues/jobs/items/{missing}", headers=bearer(tokens["all"]))
-    assert (answer.status_code, answer.json()["error"]) == (404, "not_found")
 
 
 async def test_a_waiting_read_of_a_terminal_item_answers_at_once(api, queues, tokens):

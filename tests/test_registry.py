@@ -1,5 +1,6 @@
 """The registry: cached queues and tokens that still see a brand-new one at once."""
 
+from concurrent.futures import ThreadPoolExecutor
 import time
 
 import pytest
@@ -21,7 +22,7 @@ def make_token(name: str) -> str:
 
 
 async def test_a_token_and_a_queue_made_after_the_last_load_work_at_once():
-    registry = Registry()
+    registry = Registry(ThreadPoolExecutor(max_workers=1))
     await registry.arefresh()
     time.sleep(registry_module.MISS_RELOAD_SECONDS)
     raw = await sync_to_async(make_token)("new")
@@ -33,7 +34,7 @@ async def test_a_token_and_a_queue_made_after_the_last_load_work_at_once():
 
 
 async def test_unknown_names_reload_at_most_once_per_interval(monkeypatch):
-    registry = Registry()
+    registry = Registry(ThreadPoolExecutor(max_workers=1))
     await registry.arefresh()
     loads = []
     real_load = registry.load

@@ -18,10 +18,11 @@ from queues import consumers
 from queues.bridge import ChannelBridge, group_name
 from queues.events import Hub, hub
 from queues.models import ApiToken
-from queues.runtime import CLAIMS_ON_LOOP, get_registry, get_store
+from queues.runtime import get_registry, get_store
 from queues.services import save_queue
 from queues.store import QueueConfig
 from taskhoster_site.asgi import application
+from storekit import finish, release
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -193,7 +194,7 @@ async def test_extend_or_release_of_an_item_not_held_is_not_held(token):
     async with connected(token) as ws:
         await ask(ws, {"op": "result", "queue": "jobs", "id": finished, "result": 1})
         get_store().claim_items(config=config("jobs"), max_items=2)  # someone else holds pending, theirs
-        get_store().release_item(queue="jobs", item_id=pending)
+        release(get_store(), "jobs", pending)
         for item_id in (finished, pending, theirs):
             for frame in (
                 {"op": "extend", "queue": "jobs", "id": item_id, "seconds": 10, "ref": item_id},
@@ -327,21 +328,14 @@ async def test_a_result_over_the_payload_limit_is_too_large_and_changes_nothing(
         assert (await ask(ws, {"op": "result", "queue": "jobs", "id": item_id, "result": "ok"}))["accepted"]
 
 
-async def test_a_results_frame_whose_one_queue_cannot_store_still_hands_in_the_others(token, monkeypatch):
+async def test_a_results_frame_whose_one_queue_cannot_store_still_hands_in_the_others(token, faults):
     [mine] = post("jobs", 1)
     [theirs] = post("other", 2)
     store = get_store()
-    real_sync_files = store._sync_files
-
-    def jobs_disk_fails(paths):
-        if any("/jobs/" in os.fspath(path) for path in paths):
-            raise OSError(errno.EIO, "the disk under jobs failed")
-        real_sync_files(paths)
-
     async with connected(token) as ws:
         await ask(ws, {"op": "claim", "queue": "jobs"})
         await ask(ws, {"op": "claim", "queue": "other"})
-        monkeypatch.setattr(store, "_sync_files", jobs_disk_fails)
+        faults.fail(calls={"link"}, where="/jobs/")
         answer = await ask(ws, {"op": "results", "items": [
             {"queue": "jobs", "id": mine, "result": 1}, {"queue": "other", "id": theirs, "result": 2},
         ]})
@@ -350,7 +344,7 @@ async def test_a_results_frame_whose_one_queue_cannot_store_still_hands_in_the_o
         {"id": theirs, "accepted": True},
     ]
     assert (status("jobs", mine), status("other", theirs)) == ("pending", "finished")  # re-queued at close
-    assert not [name for name in os.listdir(store.data_dir / "jobs" / "tmp") if not name.startswith("spare-")]
+    assert not os.listdir(store.data_dir / "jobs" / "tmp")
 
 
 async def test_a_data_directory_that_cannot_be_written_is_storage_unavailable(token, settings):
@@ -508,8 +502,8 @@ async def test_disconnect_leaves_alone_items_finished_or_claimed_since_by_someon
     async with connected(token) as ws:
         await ask(ws, {"op": "claim", "queue": "jobs", "max": 3})
         store = get_store()
-        store.finish_item(config=config("jobs"), item_id=finished_elsewhere, result="theirs")
-        store.release_item(queue="jobs", item_id=reclaimed)  # as the sweep does when a lease lapses
+        finish(store, config("jobs"), finished_elsewhere, "theirs")
+        release(store, "jobs", reclaimed)  # as the sweep does when a lease lapses
         [theirs] = store.claim_items(config=config("jobs"), max_items=1)
     assert theirs.id == reclaimed
     assert status("jobs", finished_elsewhere) == "finished"
@@ -530,7 +524,6 @@ async def test_an_item_claimed_for_a_socket_that_closed_meanwhile_goes_back_to_p
         return real_claim(**kwargs)
 
     monkeypatch.setattr(store, "claim_items", slow_claim)
-    monkeypatch.setattr(store, "claim_items_now", lambda **kwargs: None)  # only the thread's claims take time
     ws = WebsocketCommunicator(application, "/work", headers=auth(token))
     await ws.connect()
     await ws.send_json_to({"op": "claim", "queue": "jobs", "wait": 60})
@@ -541,61 +534,6 @@ async def test_an_item_claimed_for_a_socket_that_closed_meanwhile_goes_back_to_p
     await ws.disconnect(timeout=TIMEOUT)
     item = store.read_item(queue="jobs", item_id=item_id)
     assert (item.status, item.attempts) == ("pending", 1)
-
-
-async def test_a_waiting_claim_gets_a_single_post_while_the_post_waits_for_the_disk(token, no_recheck, monkeypatch):
-    """The worker's part of a round trip overlaps the post's flush; the post is answered once
-    it is on disk."""
-    store = get_store()
-    post("jobs", 1)
-    async with connected(token) as ws:
-        await ask(ws, {"op": "claim", "queue": "jobs"})  # the queue's locks are made
-        await ws.send_json_to({"op": "claim", "queue": "jobs", "wait": 60, "ref": "waiting"})
-        await ask(ws, {"op": "nothing"})
-        claimed, real_fsync = threading.Event(), os.fsync
-
-        def flush_once_claimed(fd):
-            claimed.wait(TIMEOUT)
-            real_fsync(fd)
-
-        monkeypatch.setattr(store, "fsync", True)
-        monkeypatch.setattr(os, "fsync", flush_once_claimed)
-        transport = httpx.ASGITransport(app=application)
-        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1", headers=dict([
-            (name.decode(), value.decode()) for name, value in auth(token)
-        ])) as client:
-            posting = asyncio.create_task(client.post("/api/queues/jobs/items", json={"payload": "x"}))
-            answer = await ws.receive_json_from(timeout=TIMEOUT)
-            assert not posting.done()  # still flushing
-            claimed.set()
-            posted = await posting
-    assert posted.status_code == 201
-    assert answer["ref"] == "waiting" and [item["id"] for item in answer["items"]] == [posted.json()["id"]]
-
-
-async def test_a_claim_split_between_the_event_loop_and_the_store_thread_gives_all_back_at_close(token, monkeypatch):
-    """G8: what a big claim took on the event loop is held while its rest is still in the
-    store's thread, so a socket closed meanwhile re-queues both parts."""
-    store = get_store()
-    real_claim = store.claim_items
-    claiming, finish_claim = threading.Event(), threading.Event()
-    posted = post("jobs", *range(CLAIMS_ON_LOOP + 4))
-    ws = WebsocketCommunicator(application, "/work", headers=auth(token))
-    await ws.connect()
-    assert len((await ask(ws, {"op": "claim", "queue": "jobs"}))["items"]) == 1  # the locks are made
-
-    def slow_claim(**kwargs):
-        claiming.set()
-        finish_claim.wait(TIMEOUT)
-        return real_claim(**kwargs)
-
-    monkeypatch.setattr(store, "claim_items", slow_claim)
-    await ws.send_json_to({"op": "claim", "queue": "jobs", "max": CLAIMS_ON_LOOP + 3})
-    assert await asyncio.to_thread(claiming.wait, TIMEOUT)
-    assert sum(status("jobs", i) == "processing" for i in posted) == 1 + CLAIMS_ON_LOOP  # the loop's part
-    threading.Timer(0.2, finish_claim.set).start()
-    await ws.disconnect(timeout=TIMEOUT)
-    assert [status("jobs", i) for i in posted] == ["pending"] * len(posted)
 
 
 async def test_disconnect_cancels_waiting_claims(token):
@@ -666,36 +604,46 @@ async def test_the_bridge_ignores_its_own_messages():
         assert sorted(await asyncio.gather(*local)) == [False, True]  # and woke only one here
 
 
-async def test_a_failing_handler_closes_the_socket_and_still_requeues_what_it_held(token, monkeypatch):
+@pytest.mark.parametrize(
+    ("fault", "code"),
+    [(OSError(5, "the disk went away in an unforeseen way"), "storage_unavailable"), (KeyError("a bug"), "internal_error")],
+)
+async def test_an_unexpected_error_is_an_error_frame_and_the_socket_stays_open(token, monkeypatch, caplog, fault, code):
+    """G10: a well-formed frame never closes the socket; G8 still holds when it closes later."""
     [item_id] = post("jobs", 1)
-    ws = WebsocketCommunicator(application, "/work", headers=auth(token))
-    await ws.connect()
-    await ask(ws, {"op": "claim", "queue": "jobs"})
+    async with connected(token) as ws:
+        await ask(ws, {"op": "claim", "queue": "jobs"})
 
-    def broken(**kwargs):
-        raise OSError("the disk went away in an unforeseen way")
+        def broken(**kwargs):
+            raise fault
 
-    monkeypatch.setattr(get_store(), "extend_lease", broken)
-    await ws.send_json_to({"op": "extend", "queue": "jobs", "id": item_id, "seconds": 5})
-    with pytest.raises(OSError):
-        await ws.wait(timeout=TIMEOUT)
+        monkeypatch.setattr(get_store(), "extend_lease", broken)
+        answer = await ask(ws, {"op": "extend", "queue": "jobs", "id": item_id, "seconds": 5, "ref": 7})
+        assert (answer["op"], answer["ref"], answer["code"]) == ("error", 7, code)
+        assert "Traceback" in caplog.text  # logged with its traceback
+        monkeypatch.undo()
+        assert (await ask(ws, {"op": "extend", "queue": "jobs", "id": item_id, "seconds": 5}))["op"] == "extended"
     assert status("jobs", item_id) == "pending"
 
 
-async def test_a_failing_waiting_claim_closes_the_socket_and_requeues_what_it_held(token, monkeypatch):
+async def test_a_failing_waiting_claim_answers_an_error_and_the_socket_goes_on(token, monkeypatch):
     [held] = post("jobs", 1)
     async with connected(token) as ws:
         await ask(ws, {"op": "claim", "queue": "jobs"})
-        await ws.send_json_to({"op": "claim", "queue": "jobs", "wait": 60})
+        await ws.send_json_to({"op": "claim", "queue": "jobs", "wait": 60, "ref": "waiting"})
         await ask(ws, {"op": "nothing"})
+        real_claim = get_store().claim_items
 
         def broken(**kwargs):
-            raise OSError("the disk went away in an unforeseen way")
+            raise OSError(5, "the disk went away in an unforeseen way")
 
-        monkeypatch.setattr(get_store(), "_claim_held", broken)  # on the event loop and in the store's thread
-        post("jobs", 2)
-        assert (await ws.receive_output(timeout=TIMEOUT)) == {"type": "websocket.close", "code": 1011}
-    assert status("jobs", held) == "pending"
+        monkeypatch.setattr(get_store(), "claim_items", broken)
+        [later] = post("jobs", 2)
+        answer = await ws.receive_json_from(timeout=TIMEOUT)
+        assert (answer["op"], answer["ref"], answer["code"]) == ("error", "waiting", "storage_unavailable")
+        monkeypatch.setattr(get_store(), "claim_items", real_claim)
+        assert [item["id"] for item in (await ask(ws, {"op": "claim", "queue": "jobs"}))["items"]] == [later]
+    assert status("jobs", held) == status("jobs", later) == "pending"
 
 
 async def test_stopping_the_server_requeues_what_sockets_hold(token):

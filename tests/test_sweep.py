@@ -7,8 +7,10 @@ from dataclasses import replace
 
 import pytest
 
-from queues.store import ID_CLOCK_MARGIN_SECONDS, STALE_TMP_SECONDS, QueueConfig, Store
+from queues.store import QueueConfig, Store
+from queues.store.sweep import ID_CLOCK_MARGIN_SECONDS, STALE_SECONDS
 from queues.sweep import Sweeper
+from storekit import finish, release
 
 QUIET = {"repaired": 0, "failed": 0, "requeued": 0, "deleted": 0, "tmpRemoved": 0}
 
@@ -27,15 +29,15 @@ def test_one_pass_applies_every_timer_and_repairs_crash_leftovers(store, clock, 
     clock.advance(200)
     lapsed, retained, doubled = (i.id for i in store.post_items(queue="jobs", payloads=[1, 2, 3]))
     store.claim_items(config=config, max_items=4)
-    store.release_item(queue="jobs", item_id=aged)
+    release(store, "jobs", aged)
     clock.advance(20)
-    store.finish_item(config=config, item_id=retained, result="r")
-    store.finish_item(config=config, item_id=doubled, result="r")
+    finish(store, config, retained, "r")
+    finish(store, config, doubled, "r")
     # a crash between linking into done and unlinking the source leaves a second copy
     (state_dir(store, "jobs", "pending") / f"{doubled}.json").write_bytes(b"{}")
     stale = state_dir(store, "jobs", "tmp") / "left.json"
     stale.write_text("{}")
-    os.utime(stale, (time.time() - STALE_TMP_SECONDS - 1,) * 2)
+    os.utime(stale, (time.time() - STALE_SECONDS - 1,) * 2)
     fresh_pending = store.post_items(queue="jobs", payloads=["young"])[0].id
     clock.now = start + config.queue_seconds + 1  # only `aged` is too old
 
@@ -48,8 +50,7 @@ def test_one_pass_applies_every_timer_and_repairs_crash_leftovers(store, clock, 
     assert states_of(store, "jobs", retained) == []
     assert states_of(store, "jobs", doubled) == []
     assert states_of(store, "jobs", fresh_pending) == ["pending"]
-    # only old item files kept to be written over (Store._retire) are left in tmp/
-    assert [name for name in os.listdir(state_dir(store, "jobs", "tmp")) if not name.startswith("spare-")] == []
+    assert os.listdir(state_dir(store, "jobs", "tmp")) == []
     assert sweeper.sweep_once() == {}
 
 
@@ -71,24 +72,33 @@ def test_only_queues_that_changed_are_reported(store, clock, config):
     assert Sweeper(store, lambda: [quiet, config]).sweep_once() == {"jobs": {**QUIET, "requeued": 1}}
 
 
-def test_the_callbacks_hear_which_items_were_requeued_and_failed(store, clock, config):
+class Heard:
+    """The store's events, as the hub would hear them."""
+
+    def __init__(self):
+        self.heard = []
+
+    def items_available(self, queue, count):
+        self.heard.append(("available", queue, count))
+
+    def items_terminal(self, queue, item_ids):
+        self.heard.append(("terminal", queue, sorted(item_ids)))
+
+
+def test_what_the_sweep_requeues_and_fails_is_told_so_waiters_wake(tmp_path, clock, config):
+    events = Heard()
+    store = Store(tmp_path / "data", fsync=False, clock=clock, events=events)
     first, second = (i.id for i in store.post_items(queue="jobs", payloads=[1, 2]))
     store.claim_items(config=config)
     clock.advance(config.lease_seconds + 1)
-    heard = []
-    sweeper = Sweeper(
-        store,
-        lambda: [config],
-        on_requeued=lambda queue, ids: heard.append(("requeued", queue, ids)),
-        on_failed=lambda queue, ids: heard.append(("failed", queue, ids)),
-    )
+    sweeper = Sweeper(store, lambda: [config])
+    events.heard.clear()
     sweeper.sweep_once()
+    assert events.heard == [("available", "jobs", 1)]
+    events.heard.clear()
     clock.advance(config.queue_seconds)
     sweeper.sweep_once()
-    assert [(what, queue, sorted(ids)) for what, queue, ids in heard] == [
-        ("requeued", "jobs", [first]),
-        ("failed", "jobs", sorted([first, second])),
-    ]
+    assert sorted(events.heard) == [("terminal", "jobs", [first]), ("terminal", "jobs", [second])]
 
 
 def test_one_queue_failing_does_not_stop_the_others(store, clock, config, monkeypatch, caplog):
@@ -138,8 +148,7 @@ def test_several_sweepers_at_once_change_each_item_once(tmp_path, clock, config)
     assert len(stores[0].claim_items(config=config, max_items=300)) == 300
     clock.advance(config.lease_seconds + 1)
     changes = []
-    sweepers = [Sweeper(s, lambda: [config], on_requeued=lambda q, ids: changes.extend(ids)) for s in stores * 2]
-    threads = [threading.Thread(target=s.sweep_once) for s in sweepers]
+    threads = [threading.Thread(target=lambda s=s: changes.extend(s.sweep_queue(config=config).requeued)) for s in stores * 2]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -155,10 +164,10 @@ def test_retention_deletes_a_stray_copy_with_the_done_item(store, clock, config)
     (item,) = store.post_items(queue="jobs", payloads=[1])
     store.claim_items(config=config)
     held = (state_dir(store, "jobs", "processing") / f"{item.id}.json").read_bytes()
-    store.finish_item(config=config, item_id=item.id, result="r")
+    finish(store, config, item.id, "r")
     (state_dir(store, "jobs", "processing") / f"{item.id}.json").write_bytes(held)
     clock.advance(config.retain_seconds)
-    assert store.delete_expired(config=config) == [item.id]
+    assert store.sweep_queue(config=config).deleted == [item.id]
     assert states_of(store, "jobs", item.id) == []
 
 
@@ -166,13 +175,13 @@ def test_retention_deletes_a_stray_copy_with_the_done_item(store, clock, config)
 def test_the_sweep_honours_retain_from(store, clock, config, retain_from):
     config = replace(config, retain_from=retain_from)
     (item,) = store.post_items(queue="jobs", payloads=[1])
-    store.finish_item(config=config, item_id=item.id, result="r")
+    finish(store, config, item.id, "r")
     sweeper = Sweeper(store, lambda: [config])
     clock.advance(config.retain_seconds)
     expected = {"jobs": {**QUIET, "deleted": 1}} if retain_from == "finished" else {}
     assert sweeper.sweep_once() == expected
     if retain_from == "fetched":
-        store.read_item(queue="jobs", item_id=item.id, fetch=True, retain_from=retain_from)
+        store.read_item(queue="jobs", item_id=item.id, fetch=True)
         assert sweeper.sweep_once() == {}
         clock.advance(config.retain_seconds)
         assert sweeper.sweep_once() == {"jobs": {**QUIET, "deleted": 1}}
@@ -184,7 +193,7 @@ def test_a_quiet_pass_never_stats_done_items_too_young_to_be_due(store, clock, c
     config = replace(config, retain_seconds=3600)
     posted = [i.id for i in store.post_items(queue="jobs", payloads=list(range(50)))]
     for item_id in posted:
-        store.finish_item(config=config, item_id=item_id, result="r")
+        finish(store, config, item_id, "r")
     clock.advance(config.retain_seconds - ID_CLOCK_MARGIN_SECONDS - 1)
     statted = []
     real_stat = os.stat
@@ -206,7 +215,7 @@ def test_retention_is_on_time_for_an_item_whose_id_ran_ahead_of_the_clock(store,
     clock.advance(30)
     (item,) = store.post_items(queue="jobs", payloads=[1])
     clock.advance(-30)  # the clock is stepped back
-    store.finish_item(config=config, item_id=item.id, result="r")
+    finish(store, config, item.id, "r")
     sweeper = Sweeper(store, lambda: [config])
     clock.advance(config.retain_seconds - 1)
     assert sweeper.sweep_once() == {}

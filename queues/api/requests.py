@@ -6,7 +6,7 @@ from functools import cached_property
 from urllib.parse import parse_qsl
 
 from ..exceptions import InvalidRequest, PayloadTooLarge
-from .fields import parse_json
+from ..protocol import parse_json
 
 NO_BODY = object()
 

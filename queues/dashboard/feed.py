@@ -10,7 +10,7 @@ import json
 import logging
 import weakref
 
-from ..runtime import get_registry, get_store, in_scan_thread
+from ..runtime import get_registry, get_store, run
 from .snapshot import take_snapshot
 
 log = logging.getLogger(__name__)
@@ -21,7 +21,7 @@ TICK_SECONDS = 1.0
 async def snapshot_text() -> str:
     registry = get_registry()
     await registry.arefresh()
-    snapshot = await in_scan_thread(take_snapshot, get_store(), registry.queues())
+    snapshot = await run(take_snapshot, store=get_store(), configs=registry.queues())
     return json.dumps({"type": "snapshot", **snapshot}, separators=(",", ":"))
 
 

@@ -13,13 +13,12 @@ from django.urls import reverse
 from django.utils.http import url_has_allowed_host_and_scheme
 from django.views.decorators.http import require_POST, require_safe
 
-from ..events import hub
 from ..exceptions import ItemNotFound, NotHeld, StorageUnavailable
 from ..ids import iso
 from ..models import Queue
 from ..runtime import get_registry, get_store
 from ..services import save_queue
-from ..store import Item
+from ..store import Claim, Item, single
 from .consumers import LIVE_PATH
 from .display import STATES, bar_segments, blank_row, format_duration, format_time, queue_row
 from .snapshot import take_snapshot
@@ -147,7 +146,7 @@ def requeue_item(request, name: str, item_id: str):
     if queue is None:
         return _no_queue(request, name)
     try:
-        get_store().release_item(queue=name, item_id=item_id)
+        single(get_store().release_items(claims=[Claim(name, item_id)]))
     except ItemNotFound:
         return _gone(request, queue, item_id)
     except NotHeld:
@@ -155,7 +154,6 @@ def requeue_item(request, name: str, item_id: str):
     except StorageUnavailable as exc:
         messages.error(request, f"Item {item_id} was not re-queued: {exc.message}")
     else:
-        hub.items_available(name, 1)  # wake a waiting worker at once
         messages.success(request, f"Item {item_id} is pending again; the next claim can take it.")
     return _back(request, reverse("dashboard:item", args=[name, item_id]))
 

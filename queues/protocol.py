@@ -1,11 +1,24 @@
-"""Strict parsing of what a client sends: JSON bodies, body fields and query parameters.
-Anything of the wrong shape is refused with a clear `invalid_json` or `invalid_request`."""
+"""What clients may send, shared by the HTTP API and the /work socket: the protocol's limits, and
+strict parsing of JSON bodies and frames, their fields and query parameters. Anything of the
+wrong shape is refused with a clear `invalid_json` or `invalid_request`."""
 
 import json
 import math
 from typing import Any
 
-from ..exceptions import InvalidJson, InvalidRequest
+from .exceptions import InvalidJson, InvalidRequest
+
+MAX_CLAIM = 100  # items per claim
+MAX_HTTP_WAIT_SECONDS = 60  # a long-polling read or claim over HTTP
+MAX_SOCKET_CLAIM_WAIT_SECONDS = 300
+MAX_LEASE_SECONDS = 86400  # an extension
+MAX_RESULTS = 1000  # results in one socket frame
+# a waiting claim or read re-checks the disk at least this often, in case a wake-up was missed
+RECHECK_SECONDS = 1.0
+# Deep nesting is refused up front: near Python's recursion limit a payload that parses here could
+# fail to encode or decode later, in another thread, and stop its queue.
+MAX_DEPTH = 128
+TOO_DEEP = f"the JSON nests deeper than {MAX_DEPTH} levels"
 
 REQUIRED = object()
 
@@ -22,10 +35,6 @@ def _finite_float(text: str) -> float:
 
 
 _DECODER = json.JSONDecoder(parse_constant=_refuse_constant, parse_float=_finite_float)
-# Deep nesting is refused up front: near Python's recursion limit a payload that parses here could
-# fail to encode or decode later, in another thread, and stop its queue.
-MAX_DEPTH = 128
-TOO_DEEP = f"the JSON nests deeper than {MAX_DEPTH} levels"
 
 
 def parse_json(raw: bytes) -> Any:
@@ -45,7 +54,7 @@ def _check_depth(value: Any) -> None:
     while stack:
         node, depth = stack.pop()
         if depth > MAX_DEPTH:
-            raise InvalidRequest(TOO_DEEP)
+            raise InvalidJson(f"the body cannot be read: {TOO_DEEP}")
         children = node.values() if isinstance(node, dict) else node
         stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
 
@@ -83,6 +92,18 @@ def number_field(body: dict, name: str, *, low: float, high: float, default: Any
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
         raise InvalidRequest(f"{name!r} must be a number from {low} to {high}")
     return value
+
+
+def string_field(body: dict, name: str) -> str:
+    value = _present(body, name, REQUIRED)
+    if not isinstance(value, str):
+        raise InvalidRequest(f"{name!r} must be a string")
+    return value
+
+
+def value_field(body: dict, name: str) -> Any:
+    """A field that may hold any JSON value, but must be there."""
+    return _present(body, name, REQUIRED)
 
 
 def number_param(query: dict[str, str], name: str, *, low: float, high: float, default: float) -> float:

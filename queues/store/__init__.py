@@ -1,0 +1,31 @@
+"""The file store: the only code that touches the data directory.
+
+    records      items, queue settings, outcomes; how an item is written to its file
+    layout       the one path builder, and the rules for names
+    files        every file-system call, its outcome checked; flushes shared by callers
+    locks        item locks across threads and processes
+    pending      this process's view of a queue's oldest pending ids
+    items        one item on disk: read, write aside, move, end, claim record
+    transitions  the Store: one public method per transition
+    sweep        one pass over a queue's timers and crash leftovers
+    stats        counts and listings; tallies: items ended per minute
+"""
+
+from .layout import QUEUE_NAME, is_valid_queue_name
+from .records import Claim, Counts, FinishOutcome, Health, Item, QueueConfig, SweepChanges, single
+from .transitions import MAX_BATCH, Store
+
+__all__ = [
+    "MAX_BATCH",
+    "QUEUE_NAME",
+    "Claim",
+    "Counts",
+    "FinishOutcome",
+    "Health",
+    "Item",
+    "QueueConfig",
+    "Store",
+    "SweepChanges",
+    "is_valid_queue_name",
+    "single",
+]

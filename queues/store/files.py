@@ -1,0 +1,375 @@
+"""Every call the store makes to the file system, each with its outcome checked.
+
+- A file is written whole or not at all (`write_new`): a write the disk cuts short is carried on,
+  one that writes nothing means the disk is full, and on any failure the file is removed.
+- Files and directories reach the disk through `flush_files` and `flush_directory`. Concurrent
+  callers share a directory's flush (group commit): each waits for the first flush of the
+  directory that starts after it asked, and one of them runs it for all.
+- A directory that is missing where a file is made, moved or linked is made again (0700).
+- Everything made is readable and writable by the server's user only (files 0600, directories
+  0700), whatever the umask.
+
+`fault` is the seam through which tests make any of these calls fail: when set, it is called
+before each call with the call's name and path, and may raise an OSError (or, for "write", return
+how many bytes to write at most, to cut a write short).
+"""
+
+import errno
+import logging
+import os
+import shutil
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+FILE_MODE = 0o600
+DIRECTORY_MODE = 0o700
+NO_XATTRS = (errno.ENOTSUP, errno.EOPNOTSUPP)
+_START_WRITEBACK = hasattr(os, "posix_fadvise")  # not on macOS
+_READ_SIZE = 1 << 16
+
+fault: Callable[[str, str], int | None] | None = None
+
+log = logging.getLogger(__name__)
+
+
+def _before(call: str, path: str) -> int | None:
+    return fault(call, path) if fault is not None else None
+
+
+# ---- writing -------------------------------------------------------------------------------
+
+
+def write_new(path: str, data: bytes, *, mtime: float | None = None) -> None:
+    """Make the file `path` (it must not exist) holding `data`, with `mtime` if given."""
+    fd = _open_new(path)
+    try:
+        try:
+            _write_all(fd, path, data)
+            if mtime is not None:
+                _before("utime", path)
+                os.utime(fd, (mtime, mtime))
+        finally:
+            os.close(fd)
+    except BaseException:
+        remove_quietly(path)
+        raise
+
+
+def _open_new(path: str) -> int:
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+    _before("create", path)
+    try:
+        return os.open(path, flags, FILE_MODE)
+    except FileNotFoundError:
+        make_directory(os.path.dirname(path))
+        return os.open(path, flags, FILE_MODE)
+
+
+def _write_all(fd: int, path: str, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        limit = _before("write", path)
+        written = os.write(fd, view if limit is None else view[:limit])
+        if written == 0:
+            raise OSError(errno.ENOSPC, "no space left: the disk took none of the write", path)
+        view = view[written:]
+
+
+def append(fd: int, path: str, data: bytes) -> None:
+    """Append to a file opened by `open_append` (one write: appends are atomic)."""
+    limit = _before("write", path)
+    if limit is not None and limit < len(data):
+        raise OSError(errno.ENOSPC, "no space left", path)
+    if os.write(fd, data) != len(data):
+        raise OSError(errno.ENOSPC, "no space left: the append was cut short", path)
+
+
+def open_append(path: str) -> int:
+    _before("create", path)
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
+    try:
+        return os.open(path, flags, FILE_MODE)
+    except FileNotFoundError:
+        make_directory(os.path.dirname(path))
+        return os.open(path, flags, FILE_MODE)
+
+
+def make_directory(path: str) -> None:
+    """Make a directory and any missing parents, each 0700 (os.makedirs gives parents 0777)."""
+    _before("mkdir", path)
+    try:
+        os.mkdir(path, DIRECTORY_MODE)
+    except FileExistsError:
+        if not os.path.isdir(path):
+            raise
+    except FileNotFoundError:
+        parent = os.path.dirname(path)
+        if parent == path:
+            raise
+        make_directory(parent)
+        try:
+            os.mkdir(path, DIRECTORY_MODE)
+        except FileExistsError:
+            pass
+
+
+def set_mtime(path: str, mtime: float) -> None:
+    _before("utime", path)
+    os.utime(path, (mtime, mtime))
+
+
+def set_xattr(path: str, name: str, value: bytes) -> bool:
+    """Set an extended attribute; False where the file system has none."""
+    _before("setxattr", path)
+    try:
+        os.setxattr(path, name, value)
+        return True
+    except OSError as exc:
+        if exc.errno in NO_XATTRS:
+            return False
+        raise
+
+
+# ---- moving --------------------------------------------------------------------------------
+
+
+def move(source: str, target: str) -> None:
+    """Rename; FileNotFoundError if `source` is gone (someone else moved it first)."""
+    _before("rename", target)
+    try:
+        os.rename(source, target)
+    except FileNotFoundError:
+        if not _remade_parent(target):
+            raise
+        os.rename(source, target)
+
+
+def link(source: str, target: str) -> None:
+    """Hard-link; FileExistsError if `target` exists, FileNotFoundError if `source` is gone."""
+    _before("link", target)
+    try:
+        os.link(source, target)
+    except FileNotFoundError:
+        if not _remade_parent(target):
+            raise
+        os.link(source, target)
+
+
+def _remade_parent(path: str) -> bool:
+    """Make the directory `path` goes in if it is missing; True if it was."""
+    parent = os.path.dirname(path)
+    if os.path.isdir(parent):
+        return False
+    make_directory(parent)
+    return True
+
+
+def remove(path: str) -> bool:
+    """Remove a file; False if it was not there."""
+    _before("unlink", path)
+    try:
+        os.unlink(path)
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def remove_tree(path: str) -> None:
+    """Remove a directory and everything in it; nothing if it is missing."""
+    _before("unlink", path)
+    try:
+        shutil.rmtree(path)
+    except FileNotFoundError:
+        pass
+
+
+def remove_quietly(path: str) -> None:
+    """Remove a file as a clean-up after a failure, which is what gets raised: a clean-up that
+    fails too is only logged (the sweep removes what is left in tmp/ after an hour)."""
+    try:
+        remove(path)
+    except OSError:
+        log.warning("could not remove %s", path, exc_info=True)
+
+
+# ---- flushing ------------------------------------------------------------------------------
+
+
+def flush_files(paths: list[str]) -> None:
+    """Flush files to disk. Several are all sent on their way first, then each is waited for."""
+    if len(paths) > 1 and _START_WRITEBACK:
+        for path in paths:
+            _start_writeback(path)
+    for path in paths:
+        _fsync(path)
+
+
+def _start_writeback(path: str) -> None:
+    """Start writing the file out, without waiting (pages being written stay cached)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        _before("fsync", path)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def flush_directory(path: str) -> None:
+    """Flush a directory's entries to disk, sharing the flush with concurrent callers."""
+    _DirectoryFlush.of(path).flush()
+
+
+class _DirectoryFlush:
+    """Flushes of one directory in this process. A caller's change is covered by the first flush
+    that starts after it asked; while one flush runs, the callers that come meanwhile wait, and
+    the next flush covers them all. A flush that fails fails every caller it covered."""
+
+    _known: dict[str, "_DirectoryFlush"] = {}
+    _known_lock = threading.Lock()
+    _KEEP_ERRORS = 64  # a waiter learns its flush's outcome long before 64 more flushes end
+
+    def __init__(self, path: str):
+        self.path = path
+        self._lock = threading.Condition()
+        self._started = 0
+        self._ended = 0
+        self._running = False
+        self._errors: dict[int, OSError] = {}
+
+    @classmethod
+    def of(cls, path: str) -> "_DirectoryFlush":
+        flush = cls._known.get(path)
+        if flush is None:
+            with cls._known_lock:
+                flush = cls._known.setdefault(path, cls(path))
+        return flush
+
+    @classmethod
+    def forget_below(cls, prefix: str) -> None:
+        with cls._known_lock:
+            for path in [p for p in cls._known if p.startswith(prefix)]:
+                del cls._known[path]
+
+    def flush(self) -> None:
+        with self._lock:
+            wanted = self._started + 1  # a flush already running may have begun before our change
+            while self._ended < wanted:
+                if self._running:
+                    self._lock.wait()
+                else:
+                    self._run_one()
+            error = self._errors.get(wanted)
+        if error is not None:
+            raise OSError(error.errno, error.strerror, self.path)
+
+    def _run_one(self) -> None:
+        """Run the next flush, the lock released meanwhile. Call holding the lock."""
+        self._running = True
+        self._started += 1
+        number = self._started
+        self._lock.release()
+        error = None
+        try:
+            _fsync(self.path)
+        except OSError as exc:
+            error = exc
+        finally:
+            self._lock.acquire()
+            self._running = False
+            self._ended = number
+            if error is not None:
+                self._errors[number] = error
+            self._errors.pop(number - self._KEEP_ERRORS, None)
+            self._lock.notify_all()
+
+
+def forget_directories(prefix: str) -> None:
+    """Drop what is kept about directories below `prefix` (a queue being deleted)."""
+    _DirectoryFlush.forget_below(prefix)
+
+
+# ---- reading -------------------------------------------------------------------------------
+
+
+def read(path: str, *, xattr: str | None = None) -> tuple[bytes, bytes | None]:
+    """A file's bytes, and the extended attribute `xattr` if asked for and present (None where
+    the file has none, or the file system has no xattrs)."""
+    _before("open", path)
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)  # not open(): a buffered file costs more calls
+    try:
+        chunk = os.read(fd, _READ_SIZE)
+        if len(chunk) == _READ_SIZE:
+            chunks = [chunk]
+            while chunk := os.read(fd, _READ_SIZE):
+                chunks.append(chunk)
+            chunk = b"".join(chunks)
+        return chunk, _get_xattr(fd, xattr) if xattr else None
+    finally:
+        os.close(fd)
+
+
+def _get_xattr(fd: int, name: str) -> bytes | None:
+    try:
+        return os.getxattr(fd, name)
+    except OSError as exc:
+        if exc.errno == errno.ENODATA or exc.errno in NO_XATTRS:
+            return None
+        raise
+
+
+def names(directory: str) -> list[str]:
+    """The names in a directory; none if it is missing."""
+    _before("listdir", directory)
+    try:
+        return os.listdir(directory)
+    except FileNotFoundError:
+        return []
+
+
+@contextmanager
+def scan(directory: str) -> Iterator[Iterator[str]]:
+    """The names in a directory, one at a time (a directory may hold a million); none if it is
+    missing."""
+    _before("listdir", directory)
+    try:
+        entries = os.scandir(directory)
+    except FileNotFoundError:
+        yield iter(())
+        return
+    with entries:
+        yield (entry.name for entry in entries)
+
+
+def status(path: str) -> os.stat_result | None:
+    """The file's stat; None if it is not there."""
+    try:
+        return os.stat(path)
+    except FileNotFoundError:
+        return None
+
+
+def exists(path: str) -> bool:
+    return status(path) is not None
+
+
+def free_and_total_bytes(path: str) -> tuple[int, int]:
+    """Free bytes (for the server's user) and the size of the file system holding `path`."""
+    info = os.statvfs(path)
+    return info.f_bavail * info.f_frsize, info.f_blocks * info.f_frsize
+
+
+def identity(path: str) -> tuple[int, int, int]:
+    """What changes whenever a transition replaces the file at `path` or records a claim on it:
+    a rewrite is a new inode, and a claim or an extension also moves the mtime (the lease) and
+    the ctime (its record)."""
+    info = os.stat(path)
+    return info.st_ino, info.st_ctime_ns, info.st_mtime_ns

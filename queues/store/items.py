@@ -1,0 +1,295 @@
+"""One item on disk: its lock, finding and reading it, writing its next file aside, moving it in,
+ending it in done/ and recording a claim. The transitions and the sweep are made of these.
+
+An item ends by a done file written to tmp/ and flushed, linked into done/ (only if done/ has no
+file of it yet: the first to link wins), done/ flushed, and only then its old file removed. A
+crash in between leaves two copies: done wins everywhere, and the sweep removes the other. A
+failed item is also marked in failed/ (before its link), so counts never read a done file.
+"""
+
+import logging
+import os
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import replace
+from typing import Protocol
+
+from . import files
+from .layout import DIRECTORIES, Layout
+from .locks import QueueLocks
+from .pending import PendingIndex
+from .records import Item, Unreadable, decode, encode, encode_claim, with_claim
+from .tallies import Tallies
+
+# A claim (and an extension) records attempts, claim time, lease and claim token in this extended
+# attribute of the processing file instead of rewriting the file. Where the file system has no
+# xattrs, a claim rewrites the file.
+CLAIM_XATTR = "user.taskhoster"
+SEARCH_ORDER = ("done", "processing", "pending")  # done first: it wins over a stray copy
+
+log = logging.getLogger(__name__)
+
+
+class Events(Protocol):
+    """Told of items that may be claimed now, and of items that just ended."""
+
+    def items_available(self, queue: str, count: int) -> None: ...
+
+    def items_terminal(self, queue: str, item_ids: list[str]) -> None: ...
+
+
+class NoEvents:
+    def items_available(self, queue: str, count: int) -> None:
+        pass
+
+    def items_terminal(self, queue: str, item_ids: list[str]) -> None:
+        pass
+
+
+class ItemFiles:
+    def __init__(
+        self,
+        layout: Layout,
+        *,
+        fsync: bool,
+        clock: Callable[[], float],
+        events: Events,
+        index_capacity: int,
+    ):
+        self.layout = layout
+        self.fsync = fsync
+        self.clock = clock
+        self.events = events
+        self.index_capacity = index_capacity
+        self.claim_xattrs = hasattr(os, "setxattr")  # False once the file system refuses them
+        self.tallies = Tallies(layout)
+        self._ready: set[str] = set()  # queues whose directories were made by this process
+        self._locks: dict[str, QueueLocks] = {}
+        self._indexes: dict[str, PendingIndex] = {}
+        self._setup_lock = threading.Lock()
+
+    # ---- queues -----------------------------------------------------------------------------
+
+    def ensure_queue(self, queue: str) -> None:
+        """Make the queue's directories; a no-op once made. A state directory removed later is
+        made again when a file is written, moved or linked into it."""
+        if queue in self._ready:
+            return
+        for name in DIRECTORIES:
+            files.make_directory(self.layout.directory(queue, name))
+        # the new directories' own entries must survive a power cut too, or the items in them
+        # would not, flushed as they are
+        self.flush(self.layout.queue_dir(queue))
+        self.flush(self.layout.root)
+        self._ready.add(queue)
+
+    def forget_queue(self, queue: str) -> None:
+        """Drop what this process keeps about a queue (it is being deleted)."""
+        with self._setup_lock:
+            locks = self._locks.pop(queue, None)
+            self._indexes.pop(queue, None)
+            self._ready.discard(queue)
+        if locks is not None:
+            locks.close()
+        self.tallies.close(queue)
+        files.forget_directories(self.layout.queue_dir(queue) + "/")
+
+    @contextmanager
+    def lock(self, queue: str, item_id: str) -> Iterator[None]:
+        locks = self._locks.get(queue)
+        if locks is None:
+            with self._setup_lock:
+                locks = self._locks.get(queue)
+                if locks is None:
+                    self.ensure_queue(queue)
+                    locks = self._locks[queue] = QueueLocks.for_file(self.layout.lock_file(queue))
+        with locks.hold(item_id):
+            yield
+
+    def index(self, queue: str) -> PendingIndex:
+        index = self._indexes.get(queue)
+        if index is None:
+            with self._setup_lock:
+                directory = self.layout.directory(queue, "pending")
+                index = self._indexes.setdefault(queue, PendingIndex(directory, capacity=self.index_capacity))
+        return index
+
+    # ---- reading ----------------------------------------------------------------------------
+
+    def read(self, queue: str, state: str, item_id: str) -> Item | None:
+        """The item in `state`/; None if it is not there, or unreadable (then quarantined)."""
+        path = self.layout.item(queue, state, item_id)
+        try:
+            raw, claim = files.read(path, xattr=CLAIM_XATTR if state != "done" and self.claim_xattrs else None)
+        except FileNotFoundError:
+            return None
+        try:
+            item = decode(raw, state=state, queue=queue, item_id=item_id)
+            return with_claim(item, claim) if claim else item
+        except Unreadable as exc:
+            log.warning("quarantining %s: %s", path, exc)
+            self.quarantine(queue, state, os.path.basename(path))
+            return None
+
+    def find(self, queue: str, item_id: str) -> tuple[str, Item] | None:
+        """The item's state and content, done first. Under the item's lock this is exact; without
+        it, a move under way may hide the item for an instant (None)."""
+        for state in SEARCH_ORDER:
+            item = self.read(queue, state, item_id)
+            if item is not None:
+                return state, item
+        return None
+
+    def quarantine(self, queue: str, state: str, name: str) -> None:
+        """Move a file that is not an item of ours out of the way, so it never stops a read, a
+        claim or a sweep. One that cannot be moved is logged and left for the next sweep."""
+        try:
+            files.move(self.layout.in_directory(queue, state, name), self.layout.quarantined(queue, state, name))
+        except FileNotFoundError:
+            pass  # moved already
+        except OSError:
+            log.warning("could not quarantine %s/%s of queue %s", state, name, queue, exc_info=True)
+
+    # ---- writing and moving -----------------------------------------------------------------
+
+    def write_aside(self, queue: str, item: Item, *, mtime: float | None = None) -> str:
+        """Write the item's file to tmp/, not yet flushed; its path."""
+        path = self.layout.tmp(queue, item.id)
+        files.write_new(path, encode(item), mtime=mtime)
+        return path
+
+    def flush_files(self, paths: list[str]) -> None:
+        if self.fsync:
+            files.flush_files(paths)
+
+    def flush(self, *directories: str) -> None:
+        if self.fsync:
+            for directory in directories:
+                files.flush_directory(directory)
+
+    def flush_states(self, queue: str, *names: str) -> None:
+        self.flush(*(self.layout.directory(queue, name) for name in names))
+
+    def publish(self, queue: str, items: Sequence[Item], state: str) -> None:
+        """Write new items and move them into `state`/: all of them on disk when it returns, or
+        none of them left behind when it raises."""
+        written: list[str] = []
+        try:
+            for item in items:
+                written.append(self.write_aside(queue, item))
+            self.flush_files(written)
+        except BaseException:
+            for path in written:
+                files.remove_quietly(path)
+            raise
+        moved: list[str] = []
+        try:
+            for item, path in zip(items, written):
+                files.move(path, self.layout.item(queue, state, item.id))
+                moved.append(item.id)
+            self.flush_states(queue, state)
+        except BaseException:
+            for path in written[len(moved) :]:
+                files.remove_quietly(path)
+            for item_id in moved:
+                self._take_back(queue, state, item_id)
+            raise
+
+    def _take_back(self, queue: str, state: str, item_id: str) -> None:
+        """Undo a move into `state`/ that cannot be made durable; from processing/ too, if another
+        process claimed it meanwhile (a done copy stays: a result for it was accepted)."""
+        with self.lock(queue, item_id):
+            for where in {state, "processing"}:
+                files.remove_quietly(self.layout.item(queue, where, item_id))
+
+    def requeue(self, queue: str, item: Item) -> Item:
+        """Move a processing item back to pending (under its lock). A rename alone: a pending
+        file's lease and claim token mean nothing, and its attempts stay for the next claim."""
+        files.move(self.layout.item(queue, "processing", item.id), self.layout.item(queue, "pending", item.id))
+        self.index(queue).push([item.id])
+        return replace(item, status="pending", lease_expires_at=None, claim_token=None)
+
+    def record_claim(self, queue: str, item: Item) -> None:
+        """Record a processing item's claim (under its lock): the lease as the file's mtime, for
+        the sweep, then the claim record, which is the step that commits it. Not flushed: only
+        posts and results must be on disk before they are answered (after a power cut the item
+        is pending again, or its lease lapses). Without xattrs the file is replaced whole."""
+        path = self.layout.item(queue, "processing", item.id)
+        if self.claim_xattrs:
+            files.set_mtime(path, item.lease_expires_at)
+            if files.set_xattr(path, CLAIM_XATTR, encode_claim(item)):
+                return
+            self.claim_xattrs = False
+        tmp = self.write_aside(queue, item, mtime=item.lease_expires_at)
+        try:
+            files.move(tmp, path)
+        except BaseException:
+            files.remove_quietly(tmp)
+            raise
+
+    # ---- ending -----------------------------------------------------------------------------
+
+    def link_done(self, queue: str, done: Item, tmp: str) -> bool:
+        """Link a done file written to tmp/ into done/ (not yet flushed); False if done/ already
+        has the item. Call under its lock, and flush done/ (and failed/) before answering."""
+        mark = self.layout.mark(queue, "failed", done.id) if done.status == "failed" else None
+        if mark is not None:
+            try:
+                files.write_new(mark, b"")
+            except FileExistsError:
+                pass
+        try:
+            files.link(tmp, self.layout.item(queue, "done", done.id))
+            return True
+        except FileExistsError:
+            return False
+
+    def unlink_done(self, queue: str, state: str, done: Item) -> None:
+        """Undo `link_done` whose flush failed, so the item is as it was in `state`/. Only while
+        that old file is there: once a sweep settled the two copies (done wins), done stays."""
+        with self.lock(queue, done.id):
+            if files.exists(self.layout.item(queue, state, done.id)):
+                files.remove_quietly(self.layout.item(queue, "done", done.id))
+                if done.status == "failed":
+                    files.remove_quietly(self.layout.mark(queue, "failed", done.id))
+
+    def ended(self, queue: str, moved: list[tuple[str, Item]]) -> None:
+        """After done/ was flushed: remove the items' old files, count them, and say they ended."""
+        for state, done in moved:
+            try:
+                files.remove(self.layout.item(queue, state, done.id))
+            except OSError:  # done wins over the copy left, and the sweep removes it
+                log.warning("could not remove the old file of %s in %s", done.id, queue, exc_info=True)
+            self.tallies.count(queue, done.status, done.finished_at)
+        self.events.items_terminal(queue, [done.id for _, done in moved])
+
+    def end(self, queue: str, state: str, done: Item) -> bool:
+        """Move an item from `state`/ to done/ with this content, durably; False if done/ had it
+        already. Call under its lock."""
+        tmp = self.write_aside(queue, done, mtime=done.finished_at)
+        try:
+            self.flush_files([tmp])
+            linked = self.link_done(queue, done, tmp)
+        finally:
+            files.remove_quietly(tmp)
+        if not linked:
+            return False
+        try:
+            self.flush_states(queue, *done_directories([done]))
+        except BaseException:
+            files.remove_quietly(self.layout.item(queue, "done", done.id))
+            if done.status == "failed":
+                files.remove_quietly(self.layout.mark(queue, "failed", done.id))
+            raise
+        self.ended(queue, [(state, done)])
+        return True
+
+    def done_status(self, queue: str, item_id: str) -> str:
+        """finished or failed, for an item done/ has."""
+        return "failed" if files.exists(self.layout.mark(queue, "failed", item_id)) else "finished"
+
+
+def done_directories(done: Sequence[Item]) -> tuple[str, ...]:
+    """The directories that ending these items changes: done/, and failed/ if any failed."""
+    return ("done", "failed") if any(item.status == "failed" for item in done) else ("done",)

@@ -1,0 +1,234 @@
+"""What the store keeps and answers: items, queue settings, the outcomes of transitions, and how
+an item is written to its file and read back.
+
+An item file holds the item as JSON, written once. A claim does not rewrite it: the claim record
+(attempts, claim time, lease, claim token) goes beside the bytes, in an extended attribute (see
+`files`), and overrides what the file says.
+"""
+
+import json
+from dataclasses import dataclass, field, replace
+from datetime import datetime
+from typing import Any
+
+from .. import ids
+
+TERMINAL = ("finished", "failed")
+
+
+class Unreadable(ValueError):
+    """A file that is not an item record of ours (truncated, not JSON, not an item object)."""
+
+
+@dataclass(frozen=True)
+class QueueConfig:
+    """A queue's settings as the store needs them (the database owns the real record)."""
+
+    name: str
+    lease_seconds: int = 60
+    queue_seconds: int = 86400
+    retain_seconds: int = 3600
+    retain_from: str = "finished"
+    paused: bool = False
+
+
+@dataclass(frozen=True)
+class Item:
+    id: str
+    queue: str
+    status: str
+    attempts: int = 0
+    claimed_at: float | None = None
+    lease_expires_at: float | None = None
+    finished_at: float | None = None
+    payload: Any = None
+    result: Any = None
+    error: str | None = None
+    claim_token: str | None = field(default=None, repr=False)
+
+    @property
+    def posted_at(self) -> float:
+        return ids.id_millis(self.id) / 1000
+
+    @property
+    def terminal(self) -> bool:
+        return self.status in TERMINAL
+
+    def to_json(self, *, payload: bool = False) -> dict:
+        """The item as the API shows it."""
+        data = {
+            "id": self.id,
+            "queue": self.queue,
+            "status": self.status,
+            "attempts": self.attempts,
+            "postedAt": ids.iso(self.posted_at),
+            "claimedAt": ids.iso(self.claimed_at),
+            "leaseExpiresAt": ids.iso(self.lease_expires_at),
+            "finishedAt": ids.iso(self.finished_at),
+        }
+        if self.status == "finished":
+            data["result"] = self.result
+        if self.status == "failed":
+            data["error"] = self.error
+        if payload:
+            data["payload"] = self.payload
+        return data
+
+
+@dataclass(frozen=True)
+class Claim:
+    """An item as one claim holds it; `claim_token` None stands for any holder (staff)."""
+
+    queue: str
+    item_id: str
+    claim_token: str | None = None
+
+
+@dataclass(frozen=True)
+class FinishOutcome:
+    id: str
+    accepted: bool
+    status: str
+
+
+@dataclass(frozen=True)
+class Counts:
+    pending: int
+    processing: int
+    finished: int
+    failed: int
+    oldest_pending_posted_at: float | None
+
+
+@dataclass(frozen=True)
+class SweepChanges:
+    """What one sweep pass over a queue changed: the ids it touched, and tmp files removed."""
+
+    repaired: list[str]
+    failed: list[str]
+    requeued: list[str]
+    deleted: list[str]
+    tmp_removed: int
+
+
+@dataclass(frozen=True)
+class Health:
+    writable: bool
+    free_bytes: int
+    min_free_bytes: int
+
+    @property
+    def ok(self) -> bool:
+        return self.writable and self.free_bytes >= self.min_free_bytes
+
+
+# allow_nan=False: NaN and Infinity are not JSON, and no client could read them back
+_to_json = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode
+
+
+def json_size(value: Any) -> int:
+    """The value's size as stored (UTF-8 JSON); TypeError or ValueError if it is not JSON."""
+    return len(_to_json(value).encode())
+
+
+def single(outcomes: list):
+    """The one outcome of a batch call made for one item, raised if it is an error."""
+    (outcome,) = outcomes
+    if isinstance(outcome, Exception):
+        raise outcome
+    return outcome
+
+
+def encode(item: Item) -> bytes:
+    record = item.to_json(payload=True)
+    record["result"] = item.result
+    record["error"] = item.error
+    record["claimToken"] = item.claim_token
+    return _to_json(record).encode()
+
+
+def decode(raw: bytes, *, state: str, queue: str, item_id: str) -> Item:
+    """The item in a file of `state`/ named for `item_id`; Unreadable unless it is one of ours."""
+    try:
+        record = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise Unreadable(f"not JSON: {exc}") from None
+    if not isinstance(record, dict):
+        raise Unreadable("not a JSON object")
+    if record.get("id") != item_id or record.get("queue") != queue:
+        raise Unreadable("its id or queue does not match the file's place")
+    status = record.get("status") if state == "done" else state
+    if status not in ("pending", "processing", *TERMINAL):
+        raise Unreadable(f"bad status {status!r}")
+    processing = state == "processing"
+    return Item(
+        id=item_id,
+        queue=queue,
+        status=status,
+        attempts=_count(record.get("attempts", 0)),
+        claimed_at=_moment(record.get("claimedAt")),
+        # a file moved but not yet rewritten (a crash mid-transition) shows its directory's truth
+        lease_expires_at=_moment(record.get("leaseExpiresAt")) if processing else None,
+        finished_at=_moment(record.get("finishedAt")) if state == "done" else None,
+        payload=record.get("payload"),
+        result=record.get("result"),
+        error=_text(record.get("error")) if status == "failed" else None,
+        claim_token=_text(record.get("claimToken")) if processing else None,
+    )
+
+
+def encode_claim(item: Item) -> bytes:
+    # "attempts claimedAt leaseExpiresAt claimToken": small enough to live inside the inode
+    return f"{item.attempts} {item.claimed_at:.6f} {item.lease_expires_at:.6f} {item.claim_token}".encode()
+
+
+def with_claim(item: Item, raw: bytes) -> Item:
+    """`item` as its claim record says: attempts and claim time always (they outlive a re-queue),
+    lease and claim token while it is processing."""
+    try:
+        attempts, claimed_at, lease_expires_at, claim_token = raw.decode("ascii").split(" ")
+        attempts, claimed_at, lease_expires_at = int(attempts), float(claimed_at), float(lease_expires_at)
+    except ValueError:
+        raise Unreadable("bad claim record") from None
+    processing = item.status == "processing"
+    return replace(
+        item,
+        attempts=attempts,
+        claimed_at=claimed_at,
+        lease_expires_at=lease_expires_at if processing else None,
+        claim_token=claim_token if processing else None,
+    )
+
+
+def ended(item: Item, *, status: str, at: float, result: Any = None, error: str | None = None) -> Item:
+    """The item as done/ keeps it once it ended."""
+    return replace(
+        item, status=status, lease_expires_at=None, finished_at=at, result=result, error=error, claim_token=None
+    )
+
+
+def timed_out(item: Item, now: float) -> Item:
+    return ended(item, status="failed", at=now, error="timeout")
+
+
+def _count(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise Unreadable(f"bad count {value!r}")
+    return value
+
+
+def _moment(value: Any) -> float | None:
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise Unreadable(f"bad time {value!r}")
+    try:
+        return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        raise Unreadable(f"bad time {value[:40]!r}") from None
+
+
+def _text(value: Any) -> str | None:
+    if value is not None and not isinstance(value, str):
+        raise Unreadable(f"bad text {value!r}")
+    return value

@@ -1,0 +1,190 @@
+"""One sweep pass over a queue: settle what crashes left behind, fail aged items, re-queue lapsed
+leases, delete done items past retention, and clear out old leftovers.
+
+It lists each directory once and decides from names and file metadata, reading only the files it
+will change. What the file system records, so that no file has to be read to decide:
+- the posting time is in the id (UUIDv7), so aged items are found by name;
+- a processing file's mtime is its lease expiry;
+- a done file's mtime is when it ended; a mark in fetched/ says it was fetched, its mtime when.
+Every change is made under the item's lock, after reading the item again: one another sweeper
+or a transition made meanwhile is simply skipped.
+"""
+
+import logging
+import time
+
+from .. import ids
+from . import files
+from .items import ItemFiles
+from .layout import ITEM_STATES, MARKS, item_id_of
+from .records import QueueConfig, SweepChanges, timed_out
+
+STALE_SECONDS = 3600  # tmp/ files, tallies and stray marks older than this are leftovers
+ID_CLOCK_MARGIN_SECONDS = 60  # how far an id's time may run ahead of the clock that ends the item
+_CHUNK = 10_000
+
+log = logging.getLogger(__name__)
+
+
+def sweep_queue(items: ItemFiles, config: QueueConfig) -> SweepChanges:
+    queue = config.name
+    items.ensure_queue(queue)
+    listing = {state: files.names(items.layout.directory(queue, state)) for state in ITEM_STATES}
+    repaired = _repair(items, queue, listing)
+    # failing first: an item both aged and lapsed ends failed, not re-queued
+    failed = _fail_aged(items, config, listing["pending"] + listing["processing"])
+    requeued = _requeue_lapsed(items, config, listing["processing"])
+    deleted = _delete_expired(items, config, listing["done"])
+    tmp_removed = _remove_leftovers(items, queue, set(listing["done"]))
+    if requeued:
+        items.events.items_available(queue, len(requeued))
+    return SweepChanges(repaired, failed, requeued, deleted, tmp_removed)
+
+
+def _repair(items: ItemFiles, queue: str, listing: dict[str, list[str]]) -> list[str]:
+    """Quarantine names that are not item files, and settle every id found in two states (a
+    crash mid-transition): done wins, then pending."""
+    for state, names in listing.items():
+        for name in _not_item_files(names):
+            items.quarantine(queue, state, name)
+    repaired = []
+    for name in sorted(_doubled(*listing.values())):
+        item_id = item_id_of(name)
+        if item_id is None:
+            continue
+        with items.lock(queue, item_id):
+            present = [s for s in ("done", "pending", "processing") if files.exists(items.layout.item(queue, s, item_id))]
+            for state in present[1:]:
+                files.remove(items.layout.item(queue, state, item_id))
+        if len(present) > 1:
+            repaired.append(item_id)
+    return repaired
+
+
+def _fail_aged(items: ItemFiles, config: QueueConfig, names: list[str]) -> list[str]:
+    """Fail every pending or processing item older than the queue allows (G6)."""
+    queue, now = config.name, items.clock()
+    # names sort by posting time: those below the bound were posted at or before the cutoff
+    bound = ids.time_prefix(int((now - config.queue_seconds) * 1000) + 1)
+    failed = []
+    for name in filter(bound.__gt__, names):
+        item_id = item_id_of(name)
+        if item_id is None:
+            continue
+        with items.lock(queue, item_id):
+            found = items.find(queue, item_id)
+            if found is None or found[0] == "done" or now - found[1].posted_at <= config.queue_seconds:
+                continue
+            if items.end(queue, found[0], timed_out(found[1], now)):
+                failed.append(item_id)
+    return failed
+
+
+def _requeue_lapsed(items: ItemFiles, config: QueueConfig, names: list[str]) -> list[str]:
+    """Move every processing item whose lease has lapsed back to pending."""
+    queue, now = config.name, items.clock()
+    requeued = []
+    for name in names:
+        item_id = item_id_of(name)
+        if item_id is None:
+            continue
+        info = files.status(items.layout.item(queue, "processing", item_id))
+        if info is None or info.st_mtime > now:
+            continue  # gone, or the mtime (the lease expiry) says it still runs
+        with items.lock(queue, item_id):
+            found = items.find(queue, item_id)  # done first: a stray copy stays put
+            if found is None or found[0] != "processing":
+                continue
+            item = found[1]
+            if item.lease_expires_at is not None and item.lease_expires_at > now:
+                continue  # extended meanwhile
+            if now - item.posted_at > config.queue_seconds:
+                items.end(queue, "processing", timed_out(item, now))
+                continue
+            items.requeue(queue, item)
+        requeued.append(item_id)
+    return requeued
+
+
+def _delete_expired(items: ItemFiles, config: QueueConfig, done: list[str]) -> list[str]:
+    """Delete done items whose retention has passed (G7). Reads no file: a done file's mtime is
+    when it ended, a fetched mark's when the item was first fetched."""
+    queue, layout = config.name, items.layout
+    cutoff = items.clock() - config.retain_seconds
+    if config.retain_from == "fetched":
+        fetched = files.names(layout.directory(queue, "fetched"))
+        due = [item_id for item_id in fetched if _ended_by(layout.mark(queue, "fetched", item_id), cutoff, item_id)]
+    else:
+        # retention starts when an item ends, never before it was posted, so an item posted after
+        # the cutoff is not due and needs no stat: the names say so at C speed (with a margin for
+        # ids made ahead of this clock: a clock stepped back, or another process's clock)
+        bound = ids.time_prefix(int((cutoff + ID_CLOCK_MARGIN_SECONDS) * 1000) + 1)
+        candidates = (item_id_of(name) for name in filter(bound.__gt__, done))
+        due = [i for i in candidates if i is not None and _ended_by(layout.item(queue, "done", i), cutoff, i)]
+    deleted = []
+    for item_id in due:
+        with items.lock(queue, item_id):
+            # a copy a crash left in another state goes first, so the item never comes back
+            files.remove(layout.item(queue, "pending", item_id))
+            files.remove(layout.item(queue, "processing", item_id))
+            if not files.remove(layout.item(queue, "done", item_id)):
+                continue  # another sweeper was first
+            for mark in MARKS:
+                files.remove(layout.mark(queue, mark, item_id))
+        deleted.append(item_id)
+    return deleted
+
+
+def _ended_by(path: str, cutoff: float, item_id: str) -> bool:
+    if not ids.is_valid_id(item_id):
+        return False
+    info = files.status(path)
+    return info is not None and info.st_mtime <= cutoff
+
+
+def _remove_leftovers(items: ItemFiles, queue: str, done_names: set[str]) -> int:
+    """Remove tmp/ files and tallies older than STALE_SECONDS (leftovers of writers that died, and
+    counts the dashboard no longer shows), and marks that old whose item is not done (the mark of
+    a failure undone, or of an item deleted mid-way). How many tmp/ files went."""
+    cutoff = time.time() - STALE_SECONDS
+    removed = 0
+    for name in ("tmp", "stats", *MARKS):
+        directory = items.layout.directory(queue, name)
+        for entry in files.names(directory):
+            if name in MARKS and entry + ".json" in done_names:
+                continue
+            info = files.status(f"{directory}/{entry}")
+            if info is not None and info.st_mtime < cutoff and files.remove(items.layout.in_directory(queue, name, entry)):
+                removed += name == "tmp"
+    return removed
+
+
+
+_ID_FILE_SHAPE = "xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx.json"
+_HEX_AS_X = str.maketrans("0123456789abcdef", "x" * 16)
+
+
+def _not_item_files(names: list[str]) -> list[str]:
+    """The names that are not `<id>.json`. Such junk is rare and a directory may hold a million
+    names, so each chunk of names is first checked as one string, at C speed."""
+    width = len(_ID_FILE_SHAPE)
+    junk = []
+    for start in range(0, len(names), _CHUNK):
+        chunk = names[start : start + _CHUNK]
+        joined = "".join(chunk)
+        if (
+            set(map(len, chunk)) == {width}
+            and joined.translate(_HEX_AS_X) == _ID_FILE_SHAPE * len(chunk)
+            and joined[14::width] == "7" * len(chunk)  # the version
+            and not joined[19::width].strip("89ab")  # the variant
+        ):
+            continue
+        junk += [name for name in chunk if item_id_of(name) is None]
+    return junk
+
+
+def _doubled(*listings: list[str]) -> set[str]:
+    """The names found in more than one listing; one pass over the longest, no set of it."""
+    first, second, longest = sorted(listings, key=len)
+    smaller = set(first)
+    return smaller.intersection(second) | smaller.union(second).intersection(longest)

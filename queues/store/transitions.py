@@ -1,0 +1,435 @@
+"""The store: each transition of an item one public method, typed, with keyword arguments only,
+safe to call from any thread of any process sharing the data directory. The lifecycle's rules
+live here; `items` does the work on disk, each transition under the item's lock, so a lost race
+shows up as a missing file and is a normal outcome.
+
+Durable before answered (with fsync on): a post's files and a result's done file, and the
+directory entries that name them. A claim is not flushed; a power cut may undo it, which leaves
+the item pending or its lease lapsing.
+
+Any failure of the disk at any step leaves the item as it was before the transition and raises
+StorageUnavailable (or gives it as that item's outcome in a batch).
+"""
+
+import logging
+import secrets
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from .. import ids
+from ..exceptions import InvalidRequest, ItemNotFound, NotHeld, PayloadTooLarge, StorageUnavailable, TaskhosterError, UnknownQueue
+from . import files, stats, sweep
+from .items import Events, ItemFiles, NoEvents, done_directories
+from .layout import Layout, is_valid_queue_name
+from .pending import CAPACITY
+from .records import Claim, Counts, FinishOutcome, Health, Item, QueueConfig, SweepChanges, ended, json_size, timed_out
+
+MAX_BATCH = 1000
+DEFAULT_MIN_FREE_BYTES = 64 << 20
+MIN_FREE_SHARE = 0.05  # the default reserve is at most this share of the file system
+_PROBE_BYTES = 4096  # /healthz writes a real block: an empty file needs no room at all
+
+log = logging.getLogger(__name__)
+
+Result = tuple[QueueConfig, str, Any]  # a result handed in: its queue, the item's id, the value
+
+
+@dataclass(frozen=True)
+class _Settling:
+    """A result about to end an item: the state it was read in and the done content."""
+
+    state: str
+    item: Item  # as it was read: if it changed before the done file is linked, settle afresh
+    done: Item
+    outcome: FinishOutcome
+
+
+class Store:
+    """Owns `data_dir`."""
+
+    def __init__(
+        self,
+        data_dir: str | Path,
+        *,
+        fsync: bool = True,
+        max_payload_bytes: int = 1 << 20,
+        min_free_bytes: int | None = None,
+        clock: Callable[[], float] = time.time,
+        index_capacity: int = CAPACITY,
+        events: Events | None = None,
+    ):
+        self.data_dir = Path(data_dir)
+        self.max_payload_bytes = max_payload_bytes
+        self.min_free_bytes = min_free_bytes  # None: the default reserve
+        self.clock = clock
+        self._items = ItemFiles(
+            Layout(data_dir), fsync=fsync, clock=clock, events=events or NoEvents(), index_capacity=index_capacity
+        )
+        self._ids = ids.IdMaker()
+
+    @property
+    def fsync(self) -> bool:
+        return self._items.fsync
+
+    # ---- queues and health ------------------------------------------------------------------
+
+    def ensure_queue(self, queue: str) -> None:
+        """Make the queue's directories; a no-op when they exist."""
+        if not is_valid_queue_name(queue):
+            raise InvalidRequest(
+                "a queue name is 1 to 64 characters of a-z, 0-9, '_' and '-', starting with a letter or digit"
+            )
+        with self._storage_errors():
+            files.make_directory(str(self.data_dir))
+            self._items.ensure_queue(queue)
+
+    def delete_queue(self, queue: str) -> None:
+        """Delete the queue's directory and every item in it."""
+        self._items.forget_queue(queue)
+        with self._storage_errors():
+            files.remove_tree(self._items.layout.queue_dir(queue))
+
+    def check_health(self) -> Health:
+        """Whether the data directory takes a real write, flushed, and how much room is left."""
+        layout = self._items.layout
+        probe = f"{layout.root}/.healthz-{secrets.token_hex(6)}"
+        try:
+            files.make_directory(layout.root)
+            files.write_new(probe, b"\0" * _PROBE_BYTES)
+            try:
+                self._items.flush_files([probe])
+            finally:
+                files.remove(probe)
+            writable = True
+        except OSError:
+            log.warning("the data directory failed a write", exc_info=True)
+            writable = False
+        try:
+            free, total = files.free_and_total_bytes(layout.root)
+        except OSError:
+            return Health(False, 0, 0)
+        return Health(writable, free, self._reserve(total))
+
+    def _reserve(self, total_bytes: int) -> int:
+        if self.min_free_bytes is not None:
+            return self.min_free_bytes
+        return min(DEFAULT_MIN_FREE_BYTES, int(total_bytes * MIN_FREE_SHARE))
+
+    # ---- transitions ------------------------------------------------------------------------
+
+    def post_items(self, *, queue: str, payloads: list[Any]) -> list[Item]:
+        """Post a batch, all or nothing; returns once it would survive a power cut."""
+        if not isinstance(payloads, list) or not 1 <= len(payloads) <= MAX_BATCH:
+            raise InvalidRequest(f"a batch holds 1 to {MAX_BATCH} items")
+        for payload in payloads:
+            self._check_size(payload, "payload")
+        self.ensure_queue(queue)
+        with self._storage_errors():
+            self._check_room()
+            new_ids = self._ids.new_ids(len(payloads), self.clock())
+            items = [Item(id=i, queue=queue, status="pending", payload=p) for i, p in zip(new_ids, payloads)]
+            self._items.publish(queue, items, "pending")
+        self._items.index(queue).push(new_ids)
+        self._items.events.items_available(queue, len(items))
+        return items
+
+    def _check_room(self) -> None:
+        free, total = files.free_and_total_bytes(self._items.layout.root)
+        reserve = self._reserve(total)
+        if free < reserve:
+            raise StorageUnavailable(
+                f"the disk is nearly full ({free} bytes free, {reserve} kept in reserve: "
+                "TASKHOSTER_MIN_FREE_BYTES); new posts wait while workers drain the queues"
+            )
+
+    def claim_items(self, *, config: QueueConfig, max_items: int = 1) -> list[Item]:
+        """Claim up to `max_items` pending items, oldest first, each under a lease and a claim
+        token of its own. A paused queue hands out nothing. A disk failure after some items were
+        claimed ends the claim early with those."""
+        if config.paused:
+            return []
+        queue = config.name
+        self.ensure_queue(queue)
+        index = self._items.index(queue)
+        claimed: list[Item] = []
+        listed_in_vain = False
+        try:
+            with self._storage_errors():
+                while len(claimed) < max_items:
+                    item_id = index.pop()
+                    if item_id is None:
+                        if listed_in_vain:
+                            break  # files that cannot be claimed must not make a claim spin
+                        index.refill()
+                        listed_in_vain = True
+                        continue
+                    if not ids.is_valid_id(item_id):
+                        continue  # a stray name: the sweep quarantines it
+                    with self._items.lock(queue, item_id):
+                        item = self._claim_one(config, item_id)
+                    if item is not None:
+                        claimed.append(item)
+                        listed_in_vain = False
+        except StorageUnavailable:
+            if not claimed:
+                raise
+            log.warning("a claim on %s stopped early", queue, exc_info=True)
+        return claimed
+
+    def _claim_one(self, config: QueueConfig, item_id: str) -> Item | None:
+        """Claim one item; None if it cannot be (another claimant was first, it is done, it is
+        unreadable, or it timed out and is failed now). Call under the item's lock."""
+        queue, layout = config.name, self._items.layout
+        pending, processing = layout.item(queue, "pending", item_id), layout.item(queue, "processing", item_id)
+        if files.exists(layout.item(queue, "done", item_id)):
+            return None  # a copy a crash left behind: done wins, and the sweep removes it
+        try:
+            files.move(pending, processing)
+        except FileNotFoundError:
+            return None  # another claimant was first
+        try:
+            item = self._items.read(queue, "processing", item_id)
+            if item is None:
+                return None
+            now = self.clock()
+            if now - item.posted_at > config.queue_seconds:
+                self._items.end(queue, "processing", timed_out(item, now))
+                return None
+            claimed = replace(
+                item,
+                status="processing",
+                attempts=item.attempts + 1,
+                claimed_at=now,
+                lease_expires_at=now + config.lease_seconds,
+                claim_token=secrets.token_hex(8),  # tells this claim of the item from others
+            )
+            self._items.record_claim(queue, claimed)
+            return claimed
+        except BaseException:
+            _move_back(processing, pending)
+            raise
+
+    def finish_items(self, *, results: list[Result]) -> list[FinishOutcome | TaskhosterError]:
+        """Hand in results, of any queues. The first result for an item that is not terminal
+        wins (G3, G4); an item past its queue timeout is failed instead (G6). Each result's own
+        trouble (an unknown id, a result too large, the disk) is its outcome, in order.
+
+        Each done file is written aside under its item's lock alone; then all are flushed
+        together, linked into done/ one lock at a time, and done/ flushed once per queue."""
+        outcomes: list[FinishOutcome | TaskhosterError | None] = [None] * len(results)
+        prepared: list[tuple[int, _Settling, str]] = []  # position, what ends, its file in tmp/
+        try:
+            for position, (config, item_id, result) in enumerate(results):
+                try:
+                    self._check_item_id(config.name, item_id)
+                    self._check_size(result, "result")
+                    with self._storage_errors(), self._items.lock(config.name, item_id):
+                        settling = self._settling(config, item_id, result)
+                        if isinstance(settling, FinishOutcome):
+                            outcomes[position] = settling
+                            continue
+                        tmp = self._items.write_aside(config.name, settling.done, mtime=settling.done.finished_at)
+                except TaskhosterError as error:
+                    outcomes[position] = error
+                    continue
+                prepared.append((position, settling, tmp))
+            if prepared:
+                self._link_all(results, prepared, outcomes)
+        finally:
+            for _, _, tmp in prepared:
+                files.remove_quietly(tmp)
+        return outcomes
+
+    def _settling(self, config: QueueConfig, item_id: str, result: Any) -> "_Settling | FinishOutcome":
+        """What this result does to the item: nothing if it ended already (the outcome), else
+        ends it, finished with the result or failed if past its queue timeout. Call under the
+        item's lock."""
+        found = self._items.find(config.name, item_id)
+        if found is None:
+            raise ItemNotFound(f"no item {item_id} in queue {config.name}")
+        state, item = found
+        if state == "done":
+            return FinishOutcome(item_id, False, item.status)
+        now = self.clock()
+        if now - item.posted_at > config.queue_seconds:
+            return _Settling(state, item, timed_out(item, now), FinishOutcome(item_id, False, "failed"))
+        done = ended(item, status="finished", at=now, result=result)
+        return _Settling(state, item, done, FinishOutcome(item_id, True, "finished"))
+
+    def _link_all(self, results: list[Result], prepared: list[tuple[int, _Settling, str]], outcomes: list) -> None:
+        try:
+            with self._storage_errors():
+                self._items.flush_files([tmp for _, _, tmp in prepared])
+        except StorageUnavailable as error:
+            for position, _, _ in prepared:
+                outcomes[position] = error
+            return
+        linked: dict[str, list[tuple[int, _Settling]]] = defaultdict(list)
+        for position, settling, tmp in prepared:
+            config, item_id, result = results[position]
+            try:
+                with self._storage_errors(), self._items.lock(config.name, item_id):
+                    outcomes[position] = self._link_one(config, settling, tmp, result)
+            except TaskhosterError as error:
+                outcomes[position] = error
+                continue
+            if outcomes[position] is None:
+                linked[config.name].append((position, settling))
+        for queue, entries in linked.items():
+            done = [settling.done for _, settling in entries]
+            try:
+                with self._storage_errors():
+                    self._items.flush_states(queue, *done_directories(done))
+            except StorageUnavailable as error:
+                for position, settling in entries:
+                    self._items.unlink_done(queue, settling.state, settling.done)
+                    outcomes[position] = error
+                continue
+            self._items.ended(queue, [(settling.state, settling.done) for _, settling in entries])
+            for position, settling in entries:
+                outcomes[position] = settling.outcome
+
+    def _link_one(self, config: QueueConfig, settling: _Settling, tmp: str, result: Any) -> FinishOutcome | None:
+        """Link a prepared done file if its item is still as it was read (None: linked, to be
+        flushed); else settle the item afresh, durably (its outcome). Call under the lock."""
+        queue, item_id = config.name, settling.done.id
+        if self._items.find(queue, item_id) != (settling.state, settling.item):
+            # claimed, re-queued, extended or ended meanwhile
+            again = self._settling(config, item_id, result)
+            if isinstance(again, FinishOutcome):
+                return again
+            if not self._items.end(queue, again.state, again.done):
+                return FinishOutcome(item_id, False, self._items.done_status(queue, item_id))
+            return again.outcome
+        if not self._items.link_done(queue, settling.done, tmp):
+            return FinishOutcome(item_id, False, self._items.done_status(queue, item_id))
+        return None
+
+    def release_items(self, *, claims: list[Claim]) -> list[Item | TaskhosterError]:
+        """Put processing items back to pending now. A claim token given must still hold its
+        item, else NotHeld. Each claim's outcome in order: the item as it is now, or the error."""
+        outcomes: list[Item | TaskhosterError] = []
+        requeued: Counter[str] = Counter()
+        for claim in claims:
+            try:
+                self._check_item_id(claim.queue, claim.item_id)
+                with self._storage_errors(), self._items.lock(claim.queue, claim.item_id):
+                    item = self._held(claim.queue, claim.item_id, claim.claim_token)
+                    outcomes.append(self._items.requeue(claim.queue, item))
+                requeued[claim.queue] += 1
+            except TaskhosterError as error:
+                outcomes.append(error)
+        for queue, count in requeued.items():
+            self._items.events.items_available(queue, count)
+        return outcomes
+
+    def extend_lease(self, *, queue: str, item_id: str, seconds: float, claim_token: str | None = None) -> Item:
+        """Set a processing item's lease to expire `seconds` from now (NotHeld if it is not
+        processing, or no longer held by `claim_token` when one is given)."""
+        self._check_item_id(queue, item_id)
+        with self._storage_errors(), self._items.lock(queue, item_id):
+            item = self._held(queue, item_id, claim_token)
+            item = replace(item, lease_expires_at=self.clock() + seconds)
+            self._items.record_claim(queue, item)
+            return item
+
+    def _held(self, queue: str, item_id: str, claim_token: str | None) -> Item:
+        found = self._items.find(queue, item_id)
+        if found is None:
+            raise ItemNotFound(f"no item {item_id} in queue {queue}")
+        state, item = found
+        if state != "processing" or (claim_token is not None and item.claim_token != claim_token):
+            raise NotHeld(f"item {item_id} is {item.status}, not held")
+        return item
+
+    def read_item(self, *, queue: str, item_id: str, fetch: bool = False) -> Item:
+        """Read one item. With `fetch`, a done item is marked fetched the first time: under
+        retainFrom `fetched` its retention clock starts then (G7)."""
+        self._check_item_id(queue, item_id)
+        with self._storage_errors():
+            found = self._items.find(queue, item_id) or self._items.find(queue, item_id)
+            # a move under way may have hidden it twice: look again under its lock, if any item of
+            # the queue was ever locked (every move is made under the lock, which makes the file)
+            if found is None and files.exists(self._items.layout.lock_file(queue)):
+                with self._items.lock(queue, item_id):
+                    found = self._items.find(queue, item_id)
+        if found is None:
+            raise ItemNotFound(f"no item {item_id} in queue {queue}")
+        state, item = found
+        if fetch and state == "done":
+            self._mark_fetched(queue, item_id)
+        return item
+
+    def _mark_fetched(self, queue: str, item_id: str) -> None:
+        """The first fetch makes the mark, its mtime the moment. Not flushed: a mark a power cut
+        loses only waits for the next fetch."""
+        try:
+            files.write_new(self._items.layout.mark(queue, "fetched", item_id), b"", mtime=self.clock())
+        except FileExistsError:
+            pass
+        except OSError:
+            log.warning("could not mark item %s of %s fetched", item_id, queue, exc_info=True)
+
+    # ---- the sweep, counts and listings -----------------------------------------------------
+
+    def sweep_queue(self, *, config: QueueConfig) -> SweepChanges:
+        """One sweep pass over a queue (see `sweep`)."""
+        with self._storage_errors():
+            return sweep.sweep_queue(self._items, config)
+
+    def count_items(self, *, queue: str) -> Counts:
+        with self._storage_errors():
+            return stats.count_items(self._items.layout, queue)
+
+    def list_items(self, *, queue: str, state: str, offset: int = 0, limit: int = 50) -> tuple[int, list[Item]]:
+        """One page of a state's items, newest first, and the state's total."""
+        with self._storage_errors():
+            return stats.list_items(self._items, queue, state, offset=offset, limit=limit)
+
+    def throughput(self, *, queue: str, minutes: int = 15) -> list[tuple[float, int, int]]:
+        """(minute start, finished, failed) for each of the last `minutes` minutes, oldest first."""
+        return self._items.tallies.per_minute(queue, minutes=minutes, now=self.clock())
+
+    # ---- checks -----------------------------------------------------------------------------
+
+    def _check_size(self, value: Any, what: str) -> None:
+        try:
+            size = json_size(value)
+        except (TypeError, ValueError) as exc:
+            raise InvalidRequest(f"the {what} is not a JSON value") from exc
+        if size > self.max_payload_bytes:
+            raise PayloadTooLarge(
+                f"the {what} is {size} bytes as JSON; the limit is {self.max_payload_bytes} "
+                "(TASKHOSTER_MAX_PAYLOAD_BYTES)"
+            )
+
+    @staticmethod
+    def _check_item_id(queue: str, item_id: str) -> None:
+        if not is_valid_queue_name(queue):
+            raise UnknownQueue(f"no queue named {str(queue)[:80]!r}")
+        if not ids.is_valid_id(item_id):
+            raise ItemNotFound("no item has this id")
+
+    @staticmethod
+    @contextmanager
+    def _storage_errors() -> Iterator[None]:
+        try:
+            yield
+        except OSError as exc:
+            if isinstance(exc, (FileNotFoundError, FileExistsError)):
+                raise
+            raise StorageUnavailable(f"the data directory cannot be written: {exc.strerror or exc}") from exc
+
+
+
+def _move_back(source: str, target: str) -> None:
+    """Undo a claim's move after a failure, so the item is pending again as it was."""
+    try:
+        files.move(source, target)
+    except OSError:
+        log.warning("could not move %s back to %s", source, target, exc_info=True)

@@ -1,0 +1,37 @@
+"""What the store tests share: where an item's files are, and short ways to make items."""
+
+import os
+from pathlib import Path
+
+from queues.store import QueueConfig, Store
+
+Q = "jobs"
+
+
+def queue_dir(store: Store, queue: str = Q) -> Path:
+    return store.data_dir / queue
+
+
+def states_of(store: Store, item_id: str, queue: str = Q) -> list[str]:
+    """Every state directory that holds a file for `item_id` (G1: exactly one)."""
+    return [s for s in ("pending", "processing", "done") if (queue_dir(store, queue) / s / f"{item_id}.json").exists()]
+
+
+def files_in(store: Store, state: str, queue: str = Q) -> list[str]:
+    directory = queue_dir(store, queue) / state
+    return sorted(os.listdir(directory)) if directory.is_dir() else []
+
+
+def post(store: Store, *payloads, queue: str = Q) -> list[str]:
+    return [item.id for item in store.post_items(queue=queue, payloads=list(payloads) or [{"n": 1}])]
+
+
+def claim_one(store: Store, config: QueueConfig):
+    (item,) = store.claim_items(config=config, max_items=1)
+    return item
+
+
+def copy_file(store: Store, item_id: str, source: str, target: str) -> None:
+    """What a crash between two steps of a transition leaves: the same id in two states."""
+    data = (queue_dir(store) / source / f"{item_id}.json").read_bytes()
+    (queue_dir(store) / target / f"{item_id}.json").write_bytes(data)

@@ -1,0 +1,76 @@
+"""Counts, listings and throughput: what the API's figures and the dashboard show."""
+
+from dataclasses import replace
+
+import pytest
+
+from conftest import alongside
+from store_support import Q, post
+from storekit import finish
+
+
+def test_count_items_counts_each_state(store, clock, config):
+    posted = post(store, *range(6))
+    clock.advance(5)
+    store.claim_items(config=config, max_items=3)  # 0, 1, 2
+    finish(store, config, posted[0], 1)
+    finish(store, config, posted[3], 1)
+    counts = store.count_items(queue=Q)
+    assert (counts.pending, counts.processing, counts.finished, counts.failed) == (2, 2, 2, 0)
+    assert counts.oldest_pending_posted_at == pytest.approx(clock.now - 5, abs=0.001)
+    clock.advance(config.queue_seconds)
+    store.sweep_queue(config=replace(config, retain_seconds=86400))  # fails the aged, keeps the done
+    # another process counts what it never saw happen
+    counts = alongside(store, clock=clock).count_items(queue=Q)
+    assert (counts.pending, counts.processing, counts.finished, counts.failed) == (0, 0, 2, 4)
+    assert counts.oldest_pending_posted_at is None
+
+
+def test_counts_read_no_item_file(store, clock, config, faults):
+    posted = post(store, *range(4))
+    finish(store, config, posted[0], 1)
+    clock.advance(config.queue_seconds + 1)
+    store.sweep_queue(config=replace(config, retain_seconds=86400))
+    faults.clear()
+    counts = store.count_items(queue=Q)
+    assert (counts.finished, counts.failed) == (1, 3)
+    assert {call for call, _ in faults.calls} == {"listdir"}
+
+
+def test_count_items_forgets_deleted_items(store, clock, config):
+    (item_id,) = post(store)
+    finish(store, config, item_id, 1)
+    assert store.count_items(queue=Q).finished == 1
+    clock.advance(config.retain_seconds)
+    assert store.sweep_queue(config=config).deleted == [item_id]
+    assert store.count_items(queue=Q).finished == 0
+
+
+def test_list_items_pages_newest_first(store, clock, config):
+    posted = []
+    for n in range(7):
+        posted += post(store, n)
+        clock.advance(1)
+    total, page = store.list_items(queue=Q, state="pending", offset=0, limit=3)
+    assert total == 7
+    assert [i.id for i in page] == posted[::-1][:3]
+    total, page = store.list_items(queue=Q, state="pending", offset=6, limit=3)
+    assert [i.id for i in page] == posted[:1]
+    store.claim_items(config=config, max_items=2)
+    total, page = store.list_items(queue=Q, state="processing")
+    assert total == 2
+    assert [(i.id, i.status) for i in page] == [(posted[1], "processing"), (posted[0], "processing")]
+
+
+def test_throughput_counts_items_ended_per_minute(store, clock, config):
+    first, second, third = post(store, 1, 2, 3)
+    finish(store, config, first, 1)
+    clock.advance(60)
+    finish(store, config, second, 1)
+    clock.advance(config.queue_seconds)
+    store.sweep_queue(config=replace(config, retain_seconds=86400))
+    rows = store.throughput(queue=Q, minutes=15)
+    assert len(rows) == 15
+    assert sum(r[1] for r in rows) == 2
+    assert sum(r[2] for r in rows) == 1
+    assert rows[-1][2] == 1
