@@ -36,6 +36,7 @@ class Rule:
 class Faults:
     calls: list[tuple[str, str]] = field(default_factory=list)
     rules: list[Rule] = field(default_factory=list)
+    struck: list[tuple[str, str]] = field(default_factory=list)  # the operations made to fail
 
     def __call__(self, call: str, path: str) -> int | None:
         self.calls.append((call, path))
@@ -44,13 +45,17 @@ class Faults:
                 continue
             rule.seen += 1
             if rule.struck and rule.persist and call in WRITES and call != "rename":
-                raise OSError(rule.error, os.strerror(rule.error), path)
+                self._strike(call, path, rule.error)
             if rule.at is None or rule.seen == rule.at:
                 rule.struck = True
                 if rule.short is not None and call == "write":
                     return rule.short
-                raise OSError(rule.error, os.strerror(rule.error), path)
+                self._strike(call, path, rule.error)
         return None
+
+    def _strike(self, call: str, path: str, error: int) -> None:
+        self.struck.append((call, path))
+        raise OSError(error, os.strerror(error), path)
 
     def fail(self, *, at: int | None = None, calls=None, where: str | None = None, error: int = errno.EIO,
              persist: bool = False, short: int | None = None) -> None:

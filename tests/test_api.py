@@ -1,7 +1,9 @@
 """Each API call's success path, with the JSON shapes SPEC shows."""
 
 import asyncio
+import errno
 import os
+import shutil
 import re
 import threading
 import time
@@ -12,9 +14,8 @@ from django.db import OperationalError
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from api_support import api, bearer, disk_snapshot, queues, tokens  # noqa: F401  (fixtures)
-from queues import ids
+from queues import ids, runtime
 from queues.api import handlers
-from queues import runtime
 from queues.runtime import get_registry, get_store, run
 from queues.services import save_queue
 from queues.store import QueueConfig, Store
@@ -327,3 +328,40 @@ async def test_a_post_begun_is_finished_even_if_its_caller_is_cancelled(queues, 
         await asyncio.sleep(0.025)
     assert len(os.listdir(queue_dir / "pending")) == 2
     assert os.listdir(queue_dir / "tmp") == []
+
+
+@pytest.mark.parametrize("removed", ["pending", "tmp", "done"])
+async def test_a_state_directory_removed_while_serving_is_made_again_and_posts_go_on(api, queues, tokens, removed):
+    first = await post(api, tokens["all"], "before")
+    claimed = await claim(api, tokens["worker"])  # in processing/, out of the way
+    shutil.rmtree(get_store().data_dir / "jobs" / removed)
+
+    second = await post(api, tokens["all"], "after")
+    claimed += await claim(api, tokens["worker"], max=5)
+    for item in claimed:
+        answer = await api.post(f"/api/queues/jobs/items/{item['id']}/result", json={"result": 1}, headers=bearer(tokens["all"]))
+        assert answer.json()["accepted"]
+
+    assert {item["id"] for item in claimed} == {first["id"], second["id"]}
+    assert (await api.get("/healthz")).status_code == 200
+
+
+async def test_health_is_503_when_the_data_directory_cannot_take_a_real_write(api, transactional_db, faults):
+    faults.fail(calls={"write"}, where="/.healthz-", error=errno.ENOSPC)
+
+    answer = await api.get("/healthz")
+
+    assert answer.status_code == 503
+    assert answer.json()["dataDirectory"] is False
+
+
+async def test_health_and_posts_are_503_below_the_free_space_reserve(api, queues, tokens, settings):
+    settings.TASKHOSTER_MIN_FREE_BYTES = 1 << 62  # more than any disk has free
+    get_store.cache_clear()
+
+    health = await api.get("/healthz")
+    posted = await api.post("/api/queues/jobs/items", json={"payload": 1}, headers=bearer(tokens["all"]))
+
+    assert health.status_code == 503 and "nearly full" in health.json()["message"]
+    assert (posted.status_code, posted.json()["error"]) == (503, "storage_unavailable")
+    assert "TASKHOSTER_MIN_FREE_BYTES" in posted.json()["message"]

@@ -82,6 +82,10 @@ class ItemFiles:
         # would not, flushed as they are
         self.flush(self.layout.queue_dir(queue))
         self.flush(self.layout.root)
+        # made now, so undoing a transition never needs a new file (the disk may be full then)
+        with self._setup_lock:
+            if queue not in self._locks:
+                self._locks[queue] = QueueLocks.for_file(self.layout.lock_file(queue))
         self._ready.add(queue)
 
     def forget_queue(self, queue: str) -> None:
@@ -99,11 +103,8 @@ class ItemFiles:
     def lock(self, queue: str, item_id: str) -> Iterator[None]:
         locks = self._locks.get(queue)
         if locks is None:
-            with self._setup_lock:
-                locks = self._locks.get(queue)
-                if locks is None:
-                    self.ensure_queue(queue)
-                    locks = self._locks[queue] = QueueLocks.for_file(self.layout.lock_file(queue))
+            self.ensure_queue(queue)
+            locks = self._locks[queue]
         with locks.hold(item_id):
             yield
 

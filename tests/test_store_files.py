@@ -1,0 +1,122 @@
+"""The file operations under the store: whole writes, shared directory flushes, directories made
+again when removed, and owner-only modes."""
+
+import errno
+import os
+import shutil
+import stat
+import threading
+import time
+
+import pytest
+
+from queues.exceptions import StorageUnavailable
+from queues.store import Store, files
+from store_support import Q, claim_one, files_in, post, queue_dir
+from storekit import finish
+
+
+def test_a_write_the_disk_cuts_short_is_carried_on(tmp_path, faults):
+    data = os.urandom(100_000)
+    faults.fail(at=1, calls={"write"}, short=1000)
+    files.write_new(str(tmp_path / "f"), data)
+    assert (tmp_path / "f").read_bytes() == data
+    assert [call for call, _ in faults.calls].count("write") >= 2
+
+
+def test_a_write_the_disk_takes_none_of_is_a_full_disk_and_leaves_no_file(tmp_path, faults):
+    faults.fail(at=1, calls={"write"}, short=0)
+    with pytest.raises(OSError) as raised:
+        files.write_new(str(tmp_path / "f"), os.urandom(100_000))
+    assert raised.value.errno == errno.ENOSPC
+    assert not (tmp_path / "f").exists()
+
+
+def test_concurrent_callers_share_a_directory_flush(tmp_path, monkeypatch):
+    """Group commit: callers that ask while a flush runs are covered by one flush after it;
+    each caller's flush starts after it asked."""
+    directory = str(tmp_path)
+    started, real_fsync = [], os.fsync
+
+    def slow_fsync(fd):
+        started.append(time.monotonic())
+        time.sleep(0.05)
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", slow_fsync)
+    asked, returned = {}, {}
+
+    def caller(n):
+        asked[n] = time.monotonic()
+        files.flush_directory(directory)
+        returned[n] = time.monotonic()
+
+    threads = [threading.Thread(target=caller, args=(n,)) for n in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(started) <= 3  # one running as they came, then one for all who waited
+    for n in range(8):  # a flush that began after this caller asked ended before it returned
+        assert any(asked[n] <= begun and begun + 0.05 <= returned[n] for begun in started)
+
+
+def test_a_failed_directory_flush_fails_the_callers_it_covered_and_no_later_ones(tmp_path, monkeypatch):
+    calls, real_fsync = [], os.fsync
+
+    def fsync_failing_first(fd):
+        calls.append(fd)
+        if len(calls) == 1:
+            raise OSError(errno.EIO, "the disk failed")
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync_failing_first)
+    with pytest.raises(OSError):
+        files.flush_directory(str(tmp_path))
+    files.flush_directory(str(tmp_path))  # the next flush is a new one
+
+
+@pytest.mark.parametrize("removed", ["pending", "tmp", "done", "processing"])
+def test_a_state_directory_removed_while_running_is_made_again(store, config, removed):
+    (held,) = post(store, "held")
+    claim = claim_one(store, config)
+    if removed != "processing":
+        shutil.rmtree(queue_dir(store) / removed)
+    (item_id,) = post(store, "after")
+    assert finish(store, config, held if removed != "processing" else item_id, "r").accepted
+    assert store.read_item(queue=Q, item_id=item_id).status in ("pending", "finished")
+    assert stat.S_IMODE(os.stat(queue_dir(store) / removed).st_mode) == 0o700
+    assert claim.id == held
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o000])
+def test_everything_the_store_makes_is_owner_only_whatever_the_umask(tmp_path, config, umask):
+    old = os.umask(umask)
+    try:
+        store = Store(tmp_path / "deep" / "data", fsync=True)
+        first, second, third = post(store, 1, 2, 3)
+        claim_one(store, config)
+        finish(store, config, first, "r")
+        store.read_item(queue=Q, item_id=first, fetch=True)
+        store.sweep_queue(config=config)
+        store.check_health()
+    finally:
+        os.umask(old)
+    made = [tmp_path / "deep", *(tmp_path / "deep").rglob("*")]
+    modes = {str(path.relative_to(tmp_path)): stat.S_IMODE(path.stat().st_mode) for path in made}
+    assert {mode for path, mode in modes.items() if os.path.isdir(tmp_path / path)} == {0o700}, modes
+    assert {mode for path, mode in modes.items() if not os.path.isdir(tmp_path / path)} == {0o600}, modes
+    assert files_in(store, "fetched") == [first]
+
+
+def test_posts_stop_at_the_free_space_reserve_while_results_go_on(tmp_path, config):
+    free, _ = files.free_and_total_bytes(str(tmp_path))
+    store = Store(tmp_path / "data", fsync=False, min_free_bytes=0)
+    (item_id,) = post(store, 1)
+    claim_one(store, config)
+    full = Store(tmp_path / "data", fsync=False, min_free_bytes=free * 2)  # as if nearly full
+    with pytest.raises(StorageUnavailable, match="nearly full"):
+        full.post_items(queue=Q, payloads=[2])
+    assert finish(full, config, item_id, "r").accepted
+    assert not full.check_health().ok and store.check_health().ok
+    assert files_in(store, "pending") == []
