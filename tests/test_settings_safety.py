@@ -1,5 +1,6 @@
-"""What settings make outside the data directory: the secret key file, made once, whole, by the
-first of several processes starting at once; a bad one refused in one line.
+"""What settings make outside the data directory: the secret key file (made once, whole, by the
+first of several processes starting at once; a bad one refused in one line) and the owner-only
+modes of `var/`, the key and a SQLite database, whatever the umask.
 
 The processes here run `manage.py` (or import the settings) over a `var/` of the test's own,
 named by TASKHOSTER_VAR_DIR, with no SECRET_KEY, DATABASE_URL or TASKHOSTER_DATA_DIR: the
@@ -143,3 +144,44 @@ def test_an_unreadable_key_path_is_refused_in_one_line(tmp_path):
     assert "Traceback" not in done.stderr
     [line] = done.stderr.splitlines()
     assert str(var_dir / "secret_key") in line and "SECRET_KEY" in line
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o000])
+def test_a_first_start_makes_var_the_key_and_the_database_owner_only(tmp_path, umask):
+    var_dir = tmp_path / "var"
+
+    done = manage(var_dir, "migrate", "--no-input", "--verbosity", "0", umask=umask)
+
+    assert (done.returncode, done.stderr) == (0, "")
+    database = var_dir / "db.sqlite3"
+    assert database.stat().st_size > 0  # SQLite took the empty file made for it as its database
+    assert {path.name: mode(path) for path in [var_dir, var_dir / "secret_key", database]} == {
+        "var": 0o700,
+        "secret_key": 0o600,
+        "db.sqlite3": 0o600,
+    }
+
+
+def test_var_is_owner_only_when_only_the_database_defaults_into_it(tmp_path):
+    var_dir = tmp_path / "var"
+
+    done = manage(var_dir, "migrate", "--no-input", "--verbosity", "0", umask=0o022, SECRET_KEY="k" * 50)
+
+    assert (done.returncode, done.stderr) == (0, "")
+    assert sorted(path.name for path in var_dir.iterdir()) == ["db.sqlite3"]
+    assert (mode(var_dir), mode(var_dir / "db.sqlite3")) == (0o700, 0o600)
+
+
+def test_a_database_that_exists_keeps_its_mode(tmp_path):
+    """Only a database the server makes is made owner-only: one the operator made is theirs."""
+    var_dir = tmp_path / "var"
+    var_dir.mkdir(mode=0o700)
+    database = var_dir / "db.sqlite3"
+    database.touch(mode=0o640)
+    database.chmod(0o640)
+
+    done = manage(var_dir, "migrate", "--no-input", "--verbosity", "0", umask=0o022)
+
+    assert (done.returncode, done.stderr) == (0, "")
+    assert database.stat().st_size > 0
+    assert mode(database) == 0o640
