@@ -1,0 +1,62 @@
+"""A database that cannot be reached at start: every command says so in one line on stderr that
+names DATABASE_URL, and exits 1, instead of a traceback."""
+
+import subprocess
+import sys
+
+import pytest
+
+from serverproc import MANAGE, PROJECT_DIR, Deployment
+
+PASSWORD = "password-in-the-url"
+UNREACHABLE = f"postgres://nobody:{PASSWORD}@127.0.0.1:1/none"  # nothing listens on port 1
+COMMANDS = [
+    pytest.param(["serve", "--host", "127.0.0.1", "--port", "0"], id="serve"),  # fails in its migrate
+    pytest.param(["createqueue", "jobs"], id="createqueue"),
+    pytest.param(["sweep", "--once"], id="sweep-once"),
+]
+
+
+def manage(deployment: Deployment, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(MANAGE), *args],
+        cwd=PROJECT_DIR,
+        env=deployment.environ(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def assert_one_line_naming_database_url(done: subprocess.CompletedProcess) -> str:
+    assert done.returncode == 1
+    assert "Traceback" not in done.stderr
+    [line] = done.stderr.splitlines()
+    assert "DATABASE_URL" in line
+    return line
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_an_unreachable_postgres_database_is_told_in_one_line(tmp_path, command):
+    done = manage(Deployment(tmp_path, database_url=UNREACHABLE), *command)
+
+    line = assert_one_line_naming_database_url(done)
+    assert "127.0.0.1:1" in line and "Connection refused" in line  # where, and what failed
+    assert PASSWORD not in line
+    assert done.stdout == ""
+
+
+def test_a_sqlite_file_that_cannot_be_opened_is_told_in_one_line(tmp_path):
+    missing = tmp_path / "no-such-directory" / "db.sqlite3"
+
+    done = manage(Deployment(tmp_path, database_url=f"sqlite:///{missing}"), "createqueue", "jobs")
+
+    line = assert_one_line_naming_database_url(done)
+    assert str(missing) in line and "unable to open database file" in line
+
+
+def test_traceback_still_shows_the_traceback_when_asked(tmp_path):
+    done = manage(Deployment(tmp_path, database_url=UNREACHABLE), "sweep", "--once", "--traceback")
+
+    assert done.returncode != 0
+    assert "Traceback" in done.stderr and "OperationalError" in done.stderr
