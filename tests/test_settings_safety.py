@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from serverproc import MANAGE, PROJECT_DIR, Deployment
-from taskhoster_site import settings as site_settings
+from taskhoster_site import local_files
 
 RACERS = 12
 # Imports what is slow first, says it is ready, and reads the settings (making the key) only when
@@ -79,7 +79,7 @@ def test_processes_racing_the_first_start_all_get_the_one_key_kept(tmp_path):
     keys = {out.strip() for out, _ in finished}
     kept = (var_dir / "secret_key").read_text()
     assert keys == {kept}
-    assert len(kept) >= site_settings.SECRET_KEY_MIN_CHARS
+    assert len(kept) >= local_files.SECRET_KEY_MIN_CHARS
     assert [path.name for path in var_dir.iterdir() if "secret_key" in path.name] == ["secret_key"]  # no temp file left
 
 
@@ -88,7 +88,7 @@ def test_a_process_starting_while_another_writes_its_key_never_sees_it_half_made
     first has made its temporary file and written its key, before the key is in place. The
     second finds no key file, makes and places its own; the first then reads and keeps that one."""
     path = tmp_path / "secret_key"
-    real_write = site_settings._write_owner_only_file
+    real_write = local_files._write_owner_only_file
     second_process_key = []
 
     def write_then_let_another_process_start(target: Path, text: str) -> None:
@@ -96,20 +96,20 @@ def test_a_process_starting_while_another_writes_its_key_never_sees_it_half_made
         real_write(target, text)
         if not second_process_key:
             second_process_key.append(None)  # the second process's own write does not nest
-            second_process_key[0] = site_settings.secret_key_from_file(path)
+            second_process_key[0] = local_files.secret_key(path)
 
-    monkeypatch.setattr(site_settings, "_write_owner_only_file", write_then_let_another_process_start)
-    first_process_key = site_settings.secret_key_from_file(path)
+    monkeypatch.setattr(local_files, "_write_owner_only_file", write_then_let_another_process_start)
+    first_process_key = local_files.secret_key(path)
 
     assert first_process_key == second_process_key[0] == path.read_text()
-    assert len(first_process_key) >= site_settings.SECRET_KEY_MIN_CHARS
+    assert len(first_process_key) >= local_files.SECRET_KEY_MIN_CHARS
     assert sorted(p.name for p in tmp_path.iterdir()) == ["secret_key"]
 
 
 def test_a_key_file_made_once_is_read_back_unchanged(tmp_path):
     path = tmp_path / "secret_key"
-    made = site_settings.secret_key_from_file(path)
-    assert site_settings.secret_key_from_file(path) == made
+    made = local_files.secret_key(path)
+    assert local_files.secret_key(path) == made
     assert mode(path) == 0o600
 
 

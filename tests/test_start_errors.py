@@ -14,6 +14,7 @@ COMMANDS = [
     pytest.param(["serve", "--host", "127.0.0.1", "--port", "0"], id="serve"),  # fails in its migrate
     pytest.param(["createqueue", "jobs"], id="createqueue"),
     pytest.param(["sweep", "--once"], id="sweep-once"),
+    pytest.param(["sweep"], id="sweep-loop"),  # the loop rides out an outage later, not one at start
 ]
 
 
@@ -60,3 +61,4 @@ def test_traceback_still_shows_the_traceback_when_asked(tmp_path):
 
     assert done.returncode != 0
     assert "Traceback" in done.stderr and "OperationalError" in done.stderr
+

@@ -27,6 +27,7 @@ class Command(BaseCommand):
         if once:
             report(sweeper.sweep_once())
             return
+        queue_configs()  # a database that cannot be reached at start is one line, not a traceback a pass
         stop = threading.Event()
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, lambda *_: stop.set())
