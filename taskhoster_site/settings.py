@@ -118,7 +118,7 @@ LOGIN_URL = "admin:login"
 
 # The channel layer only carries wake-ups between server processes (queues/bridge.py): hints a
 # waiter can afford to lose, since it re-checks the disk every second anyway. So with Redis we
-# take RedisPubSubChannelLayer: it measured faster here (~1,460 against ~800 msg/s) and has no
+# take RedisPubSubChannelLayer: it carries more messages a second (docs/performance.md) and has no
 # per-channel capacity, where RedisChannelLayer silently drops what is over it (100 by default).
 # Without Redis there is one process, and the in-memory layer is enough.
 if env.str("REDIS_URL", default=""):

@@ -120,3 +120,47 @@ def test_posts_stop_at_the_free_space_reserve_while_results_go_on(tmp_path, conf
     assert finish(full, config, item_id, "r").accepted
     assert not full.check_health().ok and store.check_health().ok
     assert files_in(store, "pending") == []
+
+
+def test_posts_that_share_a_failed_flush_all_fail_and_leave_nothing(tmp_path, monkeypatch):
+    """Group commit: posts from many threads that arrive while pending/ is being flushed share the
+    next flush of it; when that one fails, every post it covered fails (none is answered) and
+    none of their items is left."""
+    store = Store(tmp_path / "data", fsync=True)
+    store.ensure_queue(Q)
+    real_fsync, gate, pending_flushes = os.fsync, threading.Event(), []
+
+    def second_pending_flush_fails(fd):
+        if os.readlink(f"/proc/self/fd/{fd}").endswith("/pending"):
+            pending_flushes.append(fd)
+            if len(pending_flushes) == 1:
+                gate.wait(5)  # the other posts arrive meanwhile and wait for the next flush
+            elif len(pending_flushes) == 2:
+                raise OSError(errno.EIO, "the disk failed")
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", second_pending_flush_fails)
+    outcomes = {}
+
+    def post_one(n):
+        try:
+            outcomes[n] = store.post_items(queue=Q, payloads=[n])[0].id
+        except StorageUnavailable:
+            outcomes[n] = None
+
+    first = threading.Thread(target=post_one, args=(0,))
+    first.start()
+    while not pending_flushes:
+        time.sleep(0.001)
+    others = [threading.Thread(target=post_one, args=(n,)) for n in range(1, 9)]
+    for thread in others:
+        thread.start()
+    time.sleep(0.3)
+    gate.set()
+    for thread in [first, *others]:
+        thread.join()
+    assert len(pending_flushes) == 2  # one flush for the first post, one shared by the eight others
+    assert outcomes[0] is not None
+    assert [outcomes[n] for n in range(1, 9)] == [None] * 8
+    assert files_in(store, "pending") == [f"{outcomes[0]}.json"]
+    assert files_in(store, "tmp") == []

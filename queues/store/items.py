@@ -76,6 +76,7 @@ class ItemFiles:
         made again when a file is written, moved or linked into it."""
         if queue in self._ready:
             return
+        files.make_directory(self.layout.root)
         for name in DIRECTORIES:
             files.make_directory(self.layout.directory(queue, name))
         # the new directories' own entries must survive a power cut too, or the items in them

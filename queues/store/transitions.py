@@ -85,7 +85,6 @@ class Store:
                 "a queue name is 1 to 64 characters of a-z, 0-9, '_' and '-', starting with a letter or digit"
             )
         with self._storage_errors():
-            files.make_directory(str(self.data_dir))
             self._items.ensure_queue(queue)
 
     def delete_queue(self, queue: str) -> None:
