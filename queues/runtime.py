@@ -1,9 +1,12 @@
 """The process-wide objects built from settings, made once and lazily, and where store calls run.
 
-Store calls block on the disk, so async code runs them in threads through `run`, and only here is
-it decided which: transitions in the store's threads; calls that may read whole directories
-(counts, listings, health) in threads of their own, so a big queue's count never holds up a post.
-Concurrent posts and results in those threads share their disk flushes (see store.files).
+Async code calls the store through `run`, and only here is it decided where each call runs:
+- reads on the event loop: a read is a few small file operations and never waits for a flush, so
+  a hop to a thread and back would cost more than it does;
+- the other transitions in the store's threads, since they wait for the disk to flush; concurrent
+  posts and results there share their flushes (see store.files);
+- calls that may read whole directories (counts, listings, health, sweeps) in threads of their
+  own, so a big queue's count never holds up a post.
 """
 
 import asyncio
@@ -19,6 +22,7 @@ from .store import Store
 
 STORE_THREADS = 16  # enough for many concurrent posts and results to wait for one flush together
 SCAN_THREADS = 2
+ON_LOOP = frozenset({"read_item"})
 SCANS = frozenset({"count_items", "list_items", "throughput", "check_health", "sweep_queue", "take_snapshot"})
 
 
@@ -53,8 +57,11 @@ def _scan_threads() -> ThreadPoolExecutor:
 
 
 async def run(call, /, **kwargs):
-    """Run a store method (or any blocking call) off the event loop and return what it returns.
+    """Run a store method (or any blocking call) where it belongs and return what it returns.
     Once started it runs to its end even if the caller is cancelled meanwhile, so a transition
     is never left half done."""
-    threads = _scan_threads() if getattr(call, "__name__", "") in SCANS else _store_threads()
+    name = getattr(call, "__name__", "")
+    if name in ON_LOOP:
+        return call(**kwargs)
+    threads = _scan_threads() if name in SCANS else _store_threads()
     return await asyncio.get_running_loop().run_in_executor(threads, partial(call, **kwargs))

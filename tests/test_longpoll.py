@@ -150,13 +150,19 @@ async def test_a_waiting_claim_answers_no_items_when_the_wait_ends(api, queues, 
 
 
 async def test_a_claim_whose_client_left_hands_its_items_back(api, queues, tokens):
-    item_id = await post(api, tokens["all"])
+    """The client goes away while its claim waits; an item posted then is claimed by the waiting
+    claim and handed straight back, for the next claimant."""
     body = json.dumps({"wait": 5}).encode()
-    messages = iter([{"type": "http.request", "body": body, "more_body": False}, {"type": "http.disconnect"}])
+    left = asyncio.Event()
     sent = []
+    requests = iter([{"type": "http.request", "body": body, "more_body": False}])
 
     async def receive():
-        return next(messages)
+        try:
+            return next(requests)
+        except StopIteration:
+            await left.wait()
+            return {"type": "http.disconnect"}
 
     async def send(message):
         sent.append(message)
@@ -168,7 +174,12 @@ async def test_a_claim_whose_client_left_hands_its_items_back(api, queues, token
         "query_string": b"",
         "headers": [(b"authorization", f"Bearer {tokens['all']}".encode())],
     }
-    await application(scope, receive, send)
+    claiming = asyncio.create_task(application(scope, receive, send))
+    await asyncio.sleep(0.2)  # waiting for an item
+    left.set()
+    await asyncio.sleep(0.05)
+    item_id = await post(api, tokens["all"])  # wakes the claim of a client that is gone
+    await asyncio.wait_for(claiming, 10)
 
     assert json.loads(sent[-1]["body"]) == {"items": []}
     item = get_store().read_item(queue="jobs", item_id=item_id)

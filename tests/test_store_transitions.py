@@ -229,12 +229,14 @@ def test_a_requeued_item_is_handed_out_before_newer_ones(store, clock, config):
     assert [i.id for i in store.claim_items(config=config, max_items=2)] == old + new
 
 
-def test_a_claim_fails_an_aged_item_and_hands_out_the_next(store, clock, config):
+def test_a_claim_passes_over_an_aged_item_and_the_sweep_fails_it(store, clock, config):
     (old,) = post(store, "old")
     clock.advance(config.queue_seconds)
     (young,) = post(store, "young")
     clock.advance(1)
     assert claim_one(store, config).id == young
+    assert store.claim_items(config=config) == []
+    assert store.sweep_queue(config=config).failed == [old]
     assert store.read_item(queue=Q, item_id=old).status == "failed"
 
 

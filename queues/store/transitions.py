@@ -149,7 +149,8 @@ class Store:
     def claim_items(self, *, config: QueueConfig, max_items: int = 1) -> list[Item]:
         """Claim up to `max_items` pending items, oldest first, each under a lease and a claim
         token of its own. A paused queue hands out nothing. A disk failure after some items were
-        claimed ends the claim early with those."""
+        claimed ends the claim early with those. Items past their queue timeout are left for the
+        sweep to fail."""
         if config.paused:
             return []
         queue = config.name
@@ -181,10 +182,13 @@ class Store:
         return claimed
 
     def _claim_one(self, config: QueueConfig, item_id: str) -> Item | None:
-        """Claim one item; None if it cannot be (another claimant was first, it is done, it is
-        unreadable, or it timed out and is failed now). Call under the item's lock."""
+        """Claim one item; None if it cannot be (another claimant was first, it is done or past
+        its queue timeout, or it is unreadable). Call under the item's lock."""
         queue, layout = config.name, self._items.layout
         pending, processing = layout.item(queue, "pending", item_id), layout.item(queue, "processing", item_id)
+        now = self.clock()
+        if now - ids.id_millis(item_id) / 1000 > config.queue_seconds:
+            return None  # aged: the sweep fails it
         if files.exists(layout.item(queue, "done", item_id)):
             return None  # a copy a crash left behind: done wins, and the sweep removes it
         try:
@@ -194,10 +198,6 @@ class Store:
         try:
             item = self._items.read(queue, "processing", item_id)
             if item is None:
-                return None
-            now = self.clock()
-            if now - item.posted_at > config.queue_seconds:
-                self._items.end(queue, "processing", timed_out(item, now))
                 return None
             claimed = replace(
                 item,
@@ -348,7 +348,9 @@ class Store:
 
     def read_item(self, *, queue: str, item_id: str, fetch: bool = False) -> Item:
         """Read one item. With `fetch`, a done item is marked fetched the first time: under
-        retainFrom `fetched` its retention clock starts then (G7)."""
+        retainFrom `fetched` its retention clock starts then (G7). A read never waits for a flush
+        (it takes an item's lock only when a move hid the item twice), so it may run on the
+        event loop."""
         self._check_item_id(queue, item_id)
         with self._storage_errors():
             found = self._items.find(queue, item_id) or self._items.find(queue, item_id)
