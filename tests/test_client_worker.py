@@ -13,12 +13,14 @@ from contextlib import contextmanager
 import pytest
 from websockets.asyncio.server import serve as serve_websocket
 
-import taskhoster.worker as worker_module
+import taskhoster.claims as claims_module
+import taskhoster.outbox as outbox_module
 from client_support import client_env, live_server
 from serverproc import PROJECT_DIR
 from taskhoster import ApiError, ConnectionFailed, Job, Producer, TaskhosterError, Unauthorized, UnknownQueue, Worker
+from taskhoster.claims import split_slots
+from taskhoster.connection import backoff_delay
 from taskhoster.link import Link
-from taskhoster.worker import backoff_delay, split_slots
 
 QUEUES = {
     "basic": {},
@@ -263,7 +265,7 @@ def test_results_the_server_could_not_store_go_in_again_after_a_pause(live, prod
                                                                       refusal):
     """A full disk is a passing trouble: the results stay with the worker and go in again (not
     dropped, which would leave the items to be done again once their leases lapse)."""
-    monkeypatch.setattr(worker_module, "RESULT_RETRY_SECONDS", 0.05)
+    monkeypatch.setattr(outbox_module, "RESULT_RETRY_SECONDS", 0.05)
     sent = disk_full_for_two_hand_ins(monkeypatch, refusal)
     gate = {}
 
@@ -384,7 +386,7 @@ def test_stop_releases_the_items_whose_handlers_outlast_the_grace_period(live, p
 
 
 def test_a_stopping_worker_keeps_handing_in_a_result_the_server_could_not_store(live, producer, monkeypatch):
-    monkeypatch.setattr(worker_module, "RESULT_RETRY_SECONDS", 0.05)
+    monkeypatch.setattr(outbox_module, "RESULT_RETRY_SECONDS", 0.05)
     sent = disk_full_for_two_hand_ins(monkeypatch)
     item = producer.post("unstored-stop", "late")
     worker = Worker(live.url, live.token, queues=["unstored-stop"])
@@ -454,7 +456,7 @@ def test_waiting_claims_never_ask_for_more_than_the_free_slots(free, queues, slo
 
 
 async def test_a_server_that_stops_answering_is_left_for_a_fresh_socket(monkeypatch):
-    monkeypatch.setattr(worker_module, "ANSWER_SECONDS", 0.2)
+    monkeypatch.setattr(claims_module, "ANSWER_SECONDS", 0.2)
     sockets = []
 
     async def silent(socket):
