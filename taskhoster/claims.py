@@ -48,13 +48,13 @@ class Claims:
         self._tasks: set[asyncio.Task] = set()
         self._fill_timer: asyncio.TimerHandle | None = None
 
-    def open(self, link: Link) -> None:
+    def socket_opened(self, link: Link) -> None:
         """A new socket: nothing is claimed over it yet, and every queue may have items."""
         self._link = link
         self._claiming.clear()
         self._known_empty.clear()
 
-    def close(self) -> None:
+    def socket_closed(self) -> None:
         """The socket closed: its claims end with it (the server re-queues what they claimed)."""
         self._link = None
         for task in self._tasks:

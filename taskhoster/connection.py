@@ -31,12 +31,12 @@ class Connection:
     be reached at the start, or that refuses the token, is an error rather than a retry."""
 
     def __init__(self, url: str, token: str, *, finished: asyncio.Event,
-                 opened: Callable[[Link], None], closed: Callable[[Link], None]):
+                 on_open: Callable[[Link], None], on_close: Callable[[], None]):
         self._url = work_socket_url(url)
         self._headers = auth_headers(token)
         self._finished = finished
-        self._opened = opened
-        self._closed = closed
+        self._on_open = on_open
+        self._on_close = on_close
         self._link: Link | None = None
 
     @property
@@ -84,13 +84,13 @@ class Connection:
         self._link = link
         reader = asyncio.create_task(link.read_answers())
         finished = asyncio.create_task(self._finished.wait())
-        self._opened(link)
+        self._on_open(link)
         try:
             await asyncio.wait({reader, finished}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             self._link = None
             finished.cancel()
-            self._closed(link)
+            self._on_close()
             await link.socket.close()
             await reader
 

@@ -55,12 +55,12 @@ class Outbox:
         task = self._sending = self._run.spawn(self._hand_in_batch(link, batch))
         task.add_done_callback(self._handed_in)
 
-    def stop_handing_in(self) -> None:
+    def socket_closed(self) -> None:
         """The socket closed: the frame out will get no answer; its results stay."""
         if self._sending is not None:
             self._sending.cancel()
 
-    def close(self) -> None:
+    def stop(self) -> None:
         """The run is over: no more tries."""
         if self._rest_timer is not None:
             self._rest_timer.cancel()

@@ -35,7 +35,7 @@ class Run:
         self._on_error = on_error
         self._shutdown = Shutdown(grace, busy=self.busy, abandon=self._abandon_handlers, unsent=self._unsent)
         self._connection = Connection(url, token, finished=self._shutdown.finished,
-                                      opened=self._opened, closed=self._closed)
+                                      on_open=self._socket_opened, on_close=self._socket_closed)
         self._claims = Claims(self, queues, concurrency, url)
         self._leases = Leases(self.spawn)
         self._outbox = Outbox(self)
@@ -51,7 +51,7 @@ class Run:
             shutdown.cancel()
             if self._turn is not None:
                 self._turn.cancel()
-            self._outbox.close()
+            self._outbox.stop()
             for task in self._handlers:
                 task.cancel()
         if self._fatal is not None:
@@ -107,13 +107,13 @@ class Run:
             self._outbox.hand_in(link)
             self._claims.fill()
 
-    def _opened(self, link: Link) -> None:
-        self._claims.open(link)
+    def _socket_opened(self, link: Link) -> None:
+        self._claims.socket_opened(link)
         self.nudge()  # results that finished while away go in first
 
-    def _closed(self, link: Link) -> None:
-        self._claims.close()
-        self._outbox.stop_handing_in()
+    def _socket_closed(self) -> None:
+        self._claims.socket_closed()
+        self._outbox.socket_closed()
 
     # -- the handlers --------------------------------------------------------------------------
 
@@ -147,6 +147,7 @@ class Run:
 
     async def _abandon_handlers(self) -> None:
         """The grace period is over: cancel the handlers still running and give their items back."""
+        # an item claimed over a socket that has closed since is back in its queue already
         leftovers = [(job, link) for job, link in self._leases.held() if not link.closed]
         for task in self._handlers:
             task.cancel()
