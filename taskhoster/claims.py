@@ -32,8 +32,8 @@ def split_slots(free: int, queues: int) -> list[int]:
 
 
 class Claims:
-    """The claims out over the open socket. It gives each item it brings to the run; the run says
-    how many handlers are busy and whether it is stopping."""
+    """The claims out over the open socket. It gives each item it brings to the run, which says
+    how many handlers are busy."""
 
     def __init__(self, run: "Run", queues: list[str], concurrency: int, server: str):
         self._run = run
@@ -47,6 +47,7 @@ class Claims:
         self._known_empty: set[str] = set()  # queues whose last claim brought fewer items than asked
         self._tasks: set[asyncio.Task] = set()
         self._fill_timer: asyncio.TimerHandle | None = None
+        self._stopped = False
 
     def socket_opened(self, link: Link) -> None:
         """A new socket: nothing is claimed over it yet, and every queue may have items."""
@@ -64,6 +65,10 @@ class Claims:
             self._fill_timer.cancel()
             self._fill_timer = None
 
+    def stop(self) -> None:
+        """No more claims: the worker is stopping. A claim still out gives its items back."""
+        self._stopped = True
+
     def items_likely_waiting(self) -> bool:
         return any(queue not in self._known_empty for queue in self._rotation)
 
@@ -74,7 +79,7 @@ class Claims:
         """Claim for the free slots: first from queues that may have items (answered at once),
         then, when all are known empty, one waiting claim per idle queue. Fewer than
         `_enough_slots` free wait FILL_DELAY_SECONDS for more, so a claim brings a batch."""
-        if self._link is None or self._run.stopping:
+        if self._link is None or self._stopped:
             return
         free = min(self._free_slots(), CLAIM_MAX)
         idle = [q for q in self._rotation if q not in self._claiming]
@@ -122,7 +127,7 @@ class Claims:
         if items is None or self._link is not link:
             return  # if the socket closed meanwhile, the server has re-queued what it claimed
         jobs = [Job.from_item(item) for item in items]
-        if self._run.stopping:  # a claim that was waiting when the stop came: give its items back
+        if self._stopped:  # a claim that was waiting when the stop came: give its items back
             await asyncio.gather(*(release(link, job) for job in jobs))
             return
         if len(jobs) < slots:  # the server had no more: the next claim on it may wait

@@ -40,24 +40,20 @@ class Leases:
 
     def __init__(self, spawn: Callable[[Coroutine], asyncio.Task]):
         self._spawn = spawn
+        self._loop = asyncio.get_running_loop()
         self._held: dict[str, _Lease] = {}
 
-    def __len__(self) -> int:
-        return len(self._held)
-
-    def hold(self, job: Job, link: Link) -> bool:
-        """Keep the item's lease from now on; True if it was not held yet. An item claimed again
-        while its handler still runs (after a lost socket, say) is renewed over the new socket."""
+    def hold(self, job: Job, link: Link) -> None:
+        """Keep the item's lease from now on. An item claimed again while its handler still runs
+        (after a lost socket, say) is renewed over the new socket."""
         lease = self._held.get(job.id)
-        new = lease is None
-        if new:
+        if lease is None:
             lease = self._held[job.id] = _Lease(job, link)
         else:
             if lease.timer is not None:
                 lease.timer.cancel()
             lease.job, lease.link = job, link
         self._renew_later(lease)
-        return new
 
     def let_go(self, item_id: str) -> None:
         """The handler finished: stop renewing."""
@@ -75,7 +71,7 @@ class Leases:
             await release(lease.link, lease.job)
 
     def _renew_later(self, lease: _Lease) -> None:
-        lease.timer = asyncio.get_running_loop().call_later(lease.job.lease_seconds / 2, self._renew, lease)
+        lease.timer = self._loop.call_later(lease.job.lease_seconds / 2, self._renew, lease)
 
     def _renew(self, lease: _Lease) -> None:
         lease.timer = None

@@ -25,21 +25,21 @@ log = logging.getLogger("taskhoster.worker")
 
 class Run:
     """What the parts may ask of the run: `spawn` a task, `fail` for good, `nudge` it to act this
-    turn, `take` a claimed job, how many handlers are `busy`, whether it is `stopping` or has
-    `failed`."""
+    turn, `take` a claimed job, how many handlers are `busy`, whether it has `failed`."""
 
     def __init__(self, handler: Handler, *, url: str, token: str, queues: list[str], concurrency: int,
                  on_error: str, grace: float):
         self.loop = asyncio.get_running_loop()
         self._handler = handler
         self._on_error = on_error
-        self._shutdown = Shutdown(grace, busy=self.busy, abandon=self._abandon_handlers, unsent=self._unsent)
+        self._claims = Claims(self, queues, concurrency, url)
+        self._shutdown = Shutdown(grace, stop_claiming=self._claims.stop, busy=self.busy,
+                                  abandon=self._abandon_handlers, unsent=self._unsent)
         self._connection = Connection(url, token, finished=self._shutdown.finished,
                                       on_open=self._socket_opened, on_close=self._socket_closed)
-        self._claims = Claims(self, queues, concurrency, url)
         self._leases = Leases(self.spawn)
         self._outbox = Outbox(self)
-        self._handlers: set[asyncio.Task] = set()
+        self._handlers: dict[str, asyncio.Task] = {}  # item id -> the task of its handler
         self._turn: asyncio.Handle | None = None  # the end-of-turn step, when one is due
         self._fatal: BaseException | None = None
 
@@ -52,7 +52,7 @@ class Run:
             if self._turn is not None:
                 self._turn.cancel()
             self._outbox.stop()
-            for task in self._handlers:
+            for task in self._handlers.values():
                 task.cancel()
         if self._fatal is not None:
             raise self._fatal
@@ -118,16 +118,15 @@ class Run:
     # -- the handlers --------------------------------------------------------------------------
 
     def busy(self) -> int:
-        return len(self._leases)
+        return len(self._handlers)
 
     def take(self, job: Job, link: Link) -> None:
         """Run the handler on a job one of our claims brought."""
         if job.id in self._outbox:
             return  # claimed again before our result for it went in: that result finishes it
-        if self._leases.hold(job, link):  # else its handler still runs, from a claim before
-            task = self.spawn(self._work(job))
-            self._handlers.add(task)
-            task.add_done_callback(self._handlers.discard)
+        self._leases.hold(job, link)
+        if job.id not in self._handlers:  # else it still runs, from a claim over a socket since lost
+            self._handlers[job.id] = self.spawn(self._work(job))
 
     async def _work(self, job: Job) -> None:
         try:
@@ -142,6 +141,7 @@ class Run:
                 log.warning("handler failed on %s %s: %r", job.queue, job.id, exc)
                 self._outbox.add(job, error_result(exc))
         finally:
+            del self._handlers[job.id]
             self._leases.let_go(job.id)
             self.nudge()
 
@@ -149,7 +149,7 @@ class Run:
         """The grace period is over: cancel the handlers still running and give their items back."""
         # an item claimed over a socket that has closed since is back in its queue already
         leftovers = [(job, link) for job, link in self._leases.held() if not link.closed]
-        for task in self._handlers:
+        for task in self._handlers.values():
             task.cancel()
         if leftovers:
             log.info("releasing %d items whose handlers did not finish", len(leftovers))

@@ -13,12 +13,13 @@ DRAIN_SECONDS = 10.0  # after the grace period: how long to keep trying to hand 
 
 class Shutdown:
     """Waits for a stop and carries it out; `finished` is set once the run may close its socket.
-    It asks the run how many handlers are busy and how many results are unsent, and has it
-    abandon the handlers still running when the grace period ends."""
+    The run lends it what the steps need: `stop_claiming`, how many handlers are `busy`, a way
+    to `abandon` those still running, how many results are `unsent`."""
 
-    def __init__(self, grace: float, *, busy: Callable[[], int], abandon: Callable[[], Awaitable[None]],
-                 unsent: Callable[[], int]):
+    def __init__(self, grace: float, *, stop_claiming: Callable[[], None], busy: Callable[[], int],
+                 abandon: Callable[[], Awaitable[None]], unsent: Callable[[], int]):
         self._grace = grace
+        self._stop_claiming = stop_claiming
         self._busy = busy
         self._abandon = abandon
         self._unsent = unsent
@@ -43,6 +44,7 @@ class Shutdown:
     async def carry_out_when_asked(self) -> None:
         await self._asked.wait()
         self._stopping = True
+        self._stop_claiming()
         if self._busy():
             log.info("stopping: waiting up to %g s for %d running handlers", self._grace, self._busy())
             await self._until(lambda: not self._busy(), self._grace)
