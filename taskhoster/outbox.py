@@ -106,10 +106,13 @@ class Outbox:
             return
         acks = answer.get("items") or []
         unstored = []
-        for index, (item_id, _, _) in enumerate(batch):
+        for index, (item_id, queue, result) in enumerate(batch):
             ack = acks[index] if index < len(acks) else {}
             if ack.get("error") in PASSING_RESULT_ERRORS:
                 unstored.append(item_id)
+            elif ack.get("error") == "payload_too_large" and self._too_large(
+                    item_id, queue, result, "the result is larger than the server accepts"):
+                continue
             else:
                 self._settle(item_id, ack)
         if unstored:
@@ -119,15 +122,21 @@ class Outbox:
         try:
             ack = await link.request({"op": "result", "queue": queue, "id": item_id, "result": result})
         except ApiError as exc:
-            if exc.code == "payload_too_large" and not _is_error_result(result):
-                # the item must still end: say why instead of the result
-                self._results[item_id] = (queue, {"error": {"type": "PayloadTooLarge", "message": exc.message}}, 0)
+            if exc.code == "payload_too_large" and self._too_large(item_id, queue, result, exc.message):
                 return
             if exc.code in PASSING_RESULT_ERRORS:
                 self._rest([item_id], str(exc))
                 return
             ack = {"accepted": False, "error": exc.code}
         self._settle(item_id, ack)
+
+    def _too_large(self, item_id: str, queue: str, result: Any, message: str) -> bool:
+        """The item must still end: an error result saying why takes the result's place and goes
+        in next (True), unless the result is an error result already."""
+        if _is_error_result(result):
+            return False
+        self._results[item_id] = (queue, {"error": {"type": "PayloadTooLarge", "message": message}}, 0)
+        return True
 
     def _rest(self, item_ids: list[str], reason: str) -> None:
         """The server could not store these results for now (a full disk, say): keep them, and

@@ -329,12 +329,25 @@ def test_a_result_the_server_could_not_store_rests_while_later_results_go_in(liv
     assert [producer.get("unstored-rest", item["id"])["attempts"] for item in (first, second)] == [1, 1]
 
 
-def test_a_result_too_large_for_the_server_ends_the_item_with_an_error_saying_why(live, producer):
-    item = producer.post("too-large", "big")
-    with working(Worker(live.url, live.token, queues=["too-large"]), lambda payload, job: "x" * (1 << 20)):
-        result = producer.result("too-large", item["id"], timeout=20)
-    assert result["error"]["type"] == "PayloadTooLarge"
-    assert producer.get("too-large", item["id"])["attempts"] == 1
+@pytest.mark.parametrize("payloads", [["big"], ["big", "small"]], ids=["alone", "in a results frame"])
+def test_a_result_too_large_for_the_server_ends_the_item_with_an_error_saying_why(live, producer, payloads):
+    gate = {}
+
+    async def handle(payload, job):
+        # the last handler opens the gate for all at once: their results go in one frame
+        event = gate.setdefault("event", asyncio.Event())
+        gate["started"] = gate.get("started", 0) + 1
+        if gate["started"] == len(payloads):
+            event.set()
+        await event.wait()
+        return "x" * (1 << 20) if payload == "big" else payload
+
+    items = producer.post_many("too-large", payloads)
+    with working(Worker(live.url, live.token, queues=["too-large"], concurrency=len(payloads)), handle):
+        results = [producer.result("too-large", item["id"], timeout=20) for item in items]
+    assert results[0]["error"]["type"] == "PayloadTooLarge"
+    assert results[1:] == payloads[1:]
+    assert [producer.get("too-large", item["id"])["attempts"] for item in items] == [1] * len(payloads)
 
 
 def recording_claims(monkeypatch) -> list[tuple[int, int, int]]:
