@@ -26,11 +26,10 @@ class Shutdown:
         self._asked = asyncio.Event()
         self._hurry = asyncio.Event()
         self._finished = asyncio.Event()
-        self._stopping = False
 
     @property
     def stopping(self) -> bool:
-        return self._stopping
+        return self._asked.is_set()
 
     @property
     def finished(self) -> asyncio.Event:
@@ -43,7 +42,6 @@ class Shutdown:
 
     async def carry_out_when_asked(self) -> None:
         await self._asked.wait()
-        self._stopping = True
         self._stop_claiming()
         if self._busy():
             log.info("stopping: waiting up to %g s for %d running handlers", self._grace, self._busy())
