@@ -108,9 +108,10 @@ class Outbox:
         unstored = []
         for index, (item_id, queue, result) in enumerate(batch):
             ack = acks[index] if index < len(acks) else {}
-            if ack.get("error") in PASSING_RESULT_ERRORS:
+            error = ack.get("error")
+            if error in PASSING_RESULT_ERRORS:
                 unstored.append(item_id)
-            elif ack.get("error") == "payload_too_large" and self._too_large(
+            elif error == "payload_too_large" and self._too_large(
                     item_id, queue, result, "the result is larger than the server accepts"):
                 continue
             else:
