@@ -14,7 +14,7 @@ from collections.abc import Coroutine
 
 from .claims import Claims
 from .connection import Connection
-from .jobs import Handler, Job, call_handler, error_result
+from .jobs import Handler, Job, error_result, handler_caller
 from .leases import Leases, release
 from .link import Link
 from .outbox import Outbox
@@ -30,7 +30,7 @@ class Run:
     def __init__(self, handler: Handler, *, url: str, token: str, queues: list[str], concurrency: int,
                  on_error: str, grace: float):
         self.loop = asyncio.get_running_loop()
-        self._handler = handler
+        self._call_handler = handler_caller(handler)
         self._on_error = on_error
         self._claims = Claims(self, queues, concurrency, url)
         self._shutdown = Shutdown(grace, stop_claiming=self._claims.stop, busy=self.busy,
@@ -131,7 +131,7 @@ class Run:
     async def _work(self, job: Job) -> None:
         try:
             try:
-                result = await call_handler(self._handler, job)
+                result = await self._call_handler(job)
                 self._outbox.add(job, result)  # raises if the result is not JSON
             except (Exception, SystemExit) as exc:
                 if self._on_error == "release":
