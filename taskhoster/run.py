@@ -24,8 +24,8 @@ log = logging.getLogger("taskhoster.worker")
 
 
 class Run:
-    """What the parts may ask of the run: `spawn` a task, `fail` for good, `nudge` it to act this
-    turn, `take` a claimed job, how many handlers are `busy`, whether it has `failed`."""
+    """One Worker.run. What the parts may ask of it: `spawn` a task, `fail` for good, `nudge` it to
+    act this turn, `take` a claimed job, how many handlers are `busy`, whether it has `failed`."""
 
     def __init__(self, handler: Handler, *, url: str, token: str, queues: list[str], concurrency: int,
                  on_error: str, grace: float):
