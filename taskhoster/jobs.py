@@ -67,13 +67,14 @@ def is_async(handler: Callable) -> bool:
     return inspect.iscoroutinefunction(handler) or inspect.iscoroutinefunction(getattr(handler, "__call__", None))
 
 
-async def call_handler(handler: Handler, job: Job) -> Any:
-    """Run the handler on the job: an async one on this loop, a plain one in a thread of its own
-    so it never blocks the loop. The thread is a daemon: a handler still running when the
-    worker gives up on it (grace period over) does not keep the process alive."""
+def handler_caller(handler: Handler) -> Callable[[Job], Awaitable[Any]]:
+    """How to run the handler on a job, decided once rather than for every item: an async one on
+    this loop, a plain one in a thread of its own so it never blocks the loop. The thread is a
+    daemon: a handler still running when the worker gives up on it (grace period over) does not
+    keep the process alive."""
     if is_async(handler):
-        return await handler(job.payload, job)
-    return await _in_daemon_thread(handler, job.payload, job)
+        return lambda job: handler(job.payload, job)
+    return lambda job: _in_daemon_thread(handler, job.payload, job)
 
 
 def _in_daemon_thread(function: Callable, *args) -> asyncio.Future:

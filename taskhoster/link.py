@@ -31,6 +31,11 @@ class Link:
         self._closed = False
         self.answered = False  # the server has answered a frame over this socket
 
+    @property
+    def closed(self) -> bool:
+        """The socket has closed: no request over it can be answered any more."""
+        return self._closed
+
     async def request(self, frame: dict, *, timeout: float = ANSWER_SECONDS) -> dict:
         """Send the frame and return the server's answer to it. An error frame raises ApiError
         (`status` None); a socket that closes first, or no answer within `timeout` seconds,

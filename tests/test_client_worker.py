@@ -13,12 +13,14 @@ from contextlib import contextmanager
 import pytest
 from websockets.asyncio.server import serve as serve_websocket
 
-import taskhoster.worker as worker_module
+import taskhoster.claims as claims_module
+import taskhoster.outbox as outbox_module
 from client_support import client_env, live_server
 from serverproc import PROJECT_DIR
 from taskhoster import ApiError, ConnectionFailed, Job, Producer, TaskhosterError, Unauthorized, UnknownQueue, Worker
+from taskhoster.claims import split_slots
+from taskhoster.connection import backoff_delay
 from taskhoster.link import Link
-from taskhoster.worker import backoff_delay, split_slots
 
 QUEUES = {
     "basic": {},
@@ -31,10 +33,16 @@ QUEUES = {
     "unstored-many": {},
     "unstored-acks": {},
     "unstored-stop": {},
+    "unstored-rest": {},
+    "too-large": {},
     "batched-claims": {},
     "idle": {},
+    "either-a": {},
+    "either-b": {},
     "graceful": {},
     "outlast": {},
+    "stop-claim": {"lease_seconds": 300},  # only a release puts its item back while the worker runs
+    "early-stop": {},
     "heartbeat": {"lease_seconds": 2},
     "many": {},
     "killed": {},
@@ -263,7 +271,7 @@ def test_results_the_server_could_not_store_go_in_again_after_a_pause(live, prod
                                                                       refusal):
     """A full disk is a passing trouble: the results stay with the worker and go in again (not
     dropped, which would leave the items to be done again once their leases lapse)."""
-    monkeypatch.setattr(worker_module, "RESULT_RETRY_SECONDS", 0.05)
+    monkeypatch.setattr(outbox_module, "RESULT_RETRY_SECONDS", 0.05)
     sent = disk_full_for_two_hand_ins(monkeypatch, refusal)
     gate = {}
 
@@ -282,6 +290,64 @@ def test_results_the_server_could_not_store_go_in_again_after_a_pause(live, prod
     assert [producer.get(queue, item["id"])["attempts"] for item in items] == [1] * count
     ids = sorted(item["id"] for item in items)
     assert sent == [("result" if count == 1 else "results", ids)] * 3  # refused twice, then accepted
+
+
+def test_a_result_the_server_could_not_store_rests_while_later_results_go_in(live, producer, monkeypatch):
+    """The refused result waits RESULT_RETRY_SECONDS before it goes in again (not at once and
+    again and again); a result that finishes meanwhile does not wait for it."""
+    hand_ins = []  # (when, ids)
+    request = Link.request
+
+    async def refusing_the_first(self, frame, **options):
+        if frame["op"] not in ("result", "results"):
+            return await request(self, frame, **options)
+        hand_ins.append((time.monotonic(), [entry["id"] for entry in frame.get("items", [frame])]))
+        if len(hand_ins) == 1:
+            raise ApiError("storage_unavailable", "the data directory cannot be written: No space left on device")
+        return await request(self, frame, **options)
+
+    monkeypatch.setattr(Link, "request", refusing_the_first)
+    later = threading.Event()
+
+    def handle(payload, job):
+        if payload == "later":
+            later.wait(20)
+        return payload
+
+    first, second = producer.post_many("unstored-rest", ["first", "later"])
+    with working(Worker(live.url, live.token, queues=["unstored-rest"], concurrency=2), handle):
+        wait_until(lambda: hand_ins, what="the first hand-in")
+        later.set()
+        assert producer.result("unstored-rest", second["id"], timeout=20) == "later"
+        assert producer.result("unstored-rest", first["id"], timeout=20) == "first"
+    (refused_at, refused), *rest = hand_ins
+    assert refused == [first["id"]]
+    later_at = next(when for when, ids in rest if second["id"] in ids)
+    again_at = next(when for when, ids in rest if first["id"] in ids)
+    assert later_at - refused_at < outbox_module.RESULT_RETRY_SECONDS
+    assert again_at - refused_at >= outbox_module.RESULT_RETRY_SECONDS - 0.05
+    assert [producer.get("unstored-rest", item["id"])["attempts"] for item in (first, second)] == [1, 1]
+
+
+@pytest.mark.parametrize("payloads", [["big"], ["big", "small"]], ids=["alone", "in a results frame"])
+def test_a_result_too_large_for_the_server_ends_the_item_with_an_error_saying_why(live, producer, payloads):
+    gate = {}
+
+    async def handle(payload, job):
+        # the last handler opens the gate for all at once: their results go in one frame
+        event = gate.setdefault("event", asyncio.Event())
+        gate["started"] = gate.get("started", 0) + 1
+        if gate["started"] == len(payloads):
+            event.set()
+        await event.wait()
+        return "x" * (1 << 20) if payload == "big" else payload
+
+    items = producer.post_many("too-large", payloads)
+    with working(Worker(live.url, live.token, queues=["too-large"], concurrency=len(payloads)), handle):
+        results = [producer.result("too-large", item["id"], timeout=20) for item in items]
+    assert results[0]["error"]["type"] == "PayloadTooLarge"
+    assert results[1:] == payloads[1:]
+    assert [producer.get("too-large", item["id"])["attempts"] for item in items] == [1] * len(payloads)
 
 
 def recording_claims(monkeypatch) -> list[tuple[int, int, int]]:
@@ -344,6 +410,21 @@ def test_an_idle_worker_s_waiting_claim_brings_each_item_without_empty_claims(li
     assert all(wait > 0 for _, wait, _ in claims)
 
 
+def test_an_idle_worker_on_two_queues_takes_an_item_from_either_at_once(live, producer):
+    """With both queues empty, a waiting claim is out on each: an item posted to either is
+    worked long before a claim on the other would end (CLAIM_WAIT_SECONDS)."""
+    async def handle(payload, job):
+        return payload
+
+    with working(Worker(live.url, live.token, queues=["either-a", "either-b"], concurrency=2), handle):
+        warm = producer.post("either-a", "warm")
+        assert producer.result("either-a", warm["id"], timeout=20) == "warm"
+        for queue in ("either-b", "either-a", "either-b"):
+            time.sleep(0.2)  # both queues known empty: the waiting claims are out
+            item = producer.post(queue, queue)
+            assert producer.result(queue, item["id"], timeout=claims_module.CLAIM_WAIT_SECONDS / 4) == queue
+
+
 # ---- stopping ------------------------------------------------------------------------------------
 
 
@@ -384,7 +465,7 @@ def test_stop_releases_the_items_whose_handlers_outlast_the_grace_period(live, p
 
 
 def test_a_stopping_worker_keeps_handing_in_a_result_the_server_could_not_store(live, producer, monkeypatch):
-    monkeypatch.setattr(worker_module, "RESULT_RETRY_SECONDS", 0.05)
+    monkeypatch.setattr(outbox_module, "RESULT_RETRY_SECONDS", 0.05)
     sent = disk_full_for_two_hand_ins(monkeypatch)
     item = producer.post("unstored-stop", "late")
     worker = Worker(live.url, live.token, queues=["unstored-stop"])
@@ -394,6 +475,50 @@ def test_a_stopping_worker_keeps_handing_in_a_result_the_server_could_not_store(
     finished = producer.get("unstored-stop", item["id"])
     assert (finished["status"], finished.get("result"), finished["attempts"]) == ("finished", "late", 1)
     assert sent == [("result", [item["id"]])] * 3
+
+
+def test_a_claim_that_was_waiting_when_the_stop_came_gives_its_items_back(live, producer, monkeypatch, caplog):
+    caplog.set_level(logging.INFO, logger="taskhoster.worker")
+    waits = []  # the wait of every claim sent
+    request = Link.request
+
+    async def recording(self, frame, **options):
+        if frame["op"] == "claim":
+            waits.append(frame["wait"])
+        return await request(self, frame, **options)
+
+    monkeypatch.setattr(Link, "request", recording)
+    gate, calls = threading.Event(), []
+
+    def handle(payload, job):
+        calls.append(payload)
+        gate.wait(60)
+        return payload
+
+    running = producer.post("stop-claim", "running")
+    worker = Worker(live.url, live.token, queues=["stop-claim"], concurrency=2, grace=20)
+    with working(worker, handle):
+        wait_until(lambda: calls and any(waits), what="a waiting claim beside the running handler")
+        worker.stop()  # the stop waits for the running handler; the claim is still out
+        wait_until(lambda: any(r.getMessage().startswith("stopping:") for r in caplog.records), what="the stop")
+        late = producer.post("stop-claim", "late")  # the waiting claim brings it
+        wait_until(lambda: producer.get("stop-claim", late["id"])["attempts"] == 1, what="the late item's claim")
+        wait_until(lambda: producer.get("stop-claim", late["id"])["status"] == "pending", timeout=10,
+                   what="the late item given back while the worker is still stopping")
+        gate.set()
+    assert calls == ["running"]
+    assert producer.get("stop-claim", running["id"])["status"] == "finished"
+    given_back = producer.get("stop-claim", late["id"])
+    assert (given_back["status"], given_back["attempts"]) == ("pending", 1)
+
+
+def test_a_stop_before_the_run_starts_stops_it_at_once(live, producer):
+    item = producer.post("early-stop", "untouched")
+    worker = Worker(live.url, live.token, queues=["early-stop"])
+    worker.stop()
+    asyncio.run(asyncio.wait_for(worker.run_async(lambda payload, job: payload), 10))
+    untouched = producer.get("early-stop", item["id"])
+    assert (untouched["status"], untouched["attempts"]) == ("pending", 0)
 
 
 # ---- what cannot work ----------------------------------------------------------------------------
@@ -454,7 +579,7 @@ def test_waiting_claims_never_ask_for_more_than_the_free_slots(free, queues, slo
 
 
 async def test_a_server_that_stops_answering_is_left_for_a_fresh_socket(monkeypatch):
-    monkeypatch.setattr(worker_module, "ANSWER_SECONDS", 0.2)
+    monkeypatch.setattr(claims_module, "ANSWER_SECONDS", 0.2)
     sockets = []
 
     async def silent(socket):

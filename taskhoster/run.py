@@ -1,0 +1,159 @@
+"""One Worker.run: its parts wired together, each handler run on its item, and the one place that
+acts on what changed, once per event-loop turn.
+
+    Connection  the /work socket, connected again after a loss
+    Claims      asking for items as slots free up
+    Leases      renewing the items the handlers work on
+    Outbox      the results until the server has answered for them
+    Shutdown    a graceful stop
+"""
+
+import asyncio
+import logging
+from collections.abc import Coroutine
+
+from .claims import Claims
+from .connection import Connection
+from .jobs import Handler, Job, error_result, handler_caller
+from .leases import Leases, release
+from .link import Link
+from .outbox import Outbox
+from .shutdown import Shutdown
+
+log = logging.getLogger("taskhoster.worker")
+
+
+class Run:
+    """One Worker.run. What the parts may ask of it: `spawn` a task, `fail` for good, `nudge` it to
+    act this turn, `take` a claimed job, how many handlers are `busy`, whether it has `failed`."""
+
+    def __init__(self, handler: Handler, *, url: str, token: str, queues: list[str], concurrency: int,
+                 on_error: str, grace: float):
+        self.loop = asyncio.get_running_loop()
+        self._call_handler = handler_caller(handler)
+        self._on_error = on_error
+        self._claims = Claims(self, queues, concurrency, url)
+        self._shutdown = Shutdown(grace, stop_claiming=self._claims.stop, busy=self.busy,
+                                  abandon=self._abandon_handlers, unsent=self._unsent)
+        self._connection = Connection(url, token, finished=self._shutdown.finished,
+                                      on_open=self._socket_opened, on_close=self._socket_closed)
+        self._leases = Leases(self.spawn)
+        self._outbox = Outbox(self)
+        self._handlers: dict[str, asyncio.Task] = {}  # item id -> the task of its handler
+        self._turn: asyncio.Handle | None = None  # the end-of-turn step, when one is due
+        self._fatal: BaseException | None = None
+
+    async def main(self) -> None:
+        shutdown = self.spawn(self._shutdown.carry_out_when_asked())
+        try:
+            await self._connection.stay_connected()
+        finally:
+            shutdown.cancel()
+            if self._turn is not None:
+                self._turn.cancel()
+            self._outbox.stop()
+            for task in self._handlers.values():
+                task.cancel()
+        if self._fatal is not None:
+            raise self._fatal
+
+    def request_stop(self, now: bool = False) -> None:
+        self._shutdown.request(now)
+
+    @property
+    def stopping(self) -> bool:
+        return self._shutdown.stopping
+
+    @property
+    def failed(self) -> bool:
+        return self._fatal is not None
+
+    def spawn(self, coroutine: Coroutine) -> asyncio.Task:
+        """A task of this run. Should it ever fail unexpectedly (a bug), the run stops and raises
+        the error, rather than live on with a part missing (no more claims, say)."""
+        task = asyncio.create_task(coroutine)
+        task.add_done_callback(self._check)
+        return task
+
+    def _check(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            self.fail(task.exception())
+
+    def fail(self, exc: BaseException) -> None:
+        """An error no retry can mend (unknown queue, forbidden, a bug): stop, then raise it."""
+        if self._fatal is None:
+            self._fatal = exc
+        self.request_stop()
+
+    # -- once per event-loop turn --------------------------------------------------------------
+
+    def nudge(self) -> None:
+        """Something changed (a handler finished, a claim or an ack came back): act on it once this
+        event-loop turn is over, so that everything that happened in the same turn goes together."""
+        if self._turn is None:
+            self._turn = self.loop.call_soon(self._take_turn)
+
+    def _take_turn(self) -> None:
+        self._turn = None
+        link = self._connection.link
+        if link is None:
+            return  # connecting again: the next socket starts with a turn of its own
+        if self._claims.items_likely_waiting():
+            # claim first: the server hands out the next items while it stores these results
+            self._claims.fill()
+            self._outbox.hand_in(link)
+        else:
+            # results first: a producer waiting for one sees it sooner; the claim waits for items
+            self._outbox.hand_in(link)
+            self._claims.fill()
+
+    def _socket_opened(self, link: Link) -> None:
+        self._claims.socket_opened(link)
+        self.nudge()  # results that finished while away go in first
+
+    def _socket_closed(self) -> None:
+        self._claims.socket_closed()
+        self._outbox.socket_closed()
+
+    # -- the handlers --------------------------------------------------------------------------
+
+    def busy(self) -> int:
+        return len(self._handlers)
+
+    def take(self, job: Job, link: Link) -> None:
+        """Run the handler on a job one of our claims brought."""
+        if job.id in self._outbox:
+            return  # claimed again before our result for it went in: that result finishes it
+        self._leases.hold(job, link)
+        if job.id not in self._handlers:  # else it still runs, from a claim over a socket since lost
+            self._handlers[job.id] = self.spawn(self._work(job))
+
+    async def _work(self, job: Job) -> None:
+        try:
+            try:
+                result = await self._call_handler(job)
+                self._outbox.add(job, result)  # raises if the result is not JSON
+            except (Exception, SystemExit) as exc:
+                if self._on_error == "release":
+                    log.warning("handler failed on %s %s (%s); releasing it", job.queue, job.id, exc)
+                    await self._leases.give_back(job.id)
+                    return
+                log.warning("handler failed on %s %s: %r", job.queue, job.id, exc)
+                self._outbox.add(job, error_result(exc))
+        finally:
+            del self._handlers[job.id]
+            self._leases.let_go(job.id)
+            self.nudge()
+
+    async def _abandon_handlers(self) -> None:
+        """The grace period is over: cancel the handlers still running and give their items back."""
+        # an item claimed over a socket that has closed since is back in its queue already
+        leftovers = [(job, link) for job, link in self._leases.held() if not link.closed]
+        for task in self._handlers.values():
+            task.cancel()
+        if leftovers:
+            log.info("releasing %d items whose handlers did not finish", len(leftovers))
+            await asyncio.gather(*(release(link, job) for job, link in leftovers))
+
+    def _unsent(self) -> int:
+        return len(self._outbox)
