@@ -89,3 +89,14 @@ class StorageUnavailable(TaskhosterError):
 
 class UnsafePath(SuspiciousOperation):
     """A queue name, state or item id that must never reach the file system."""
+
+
+class Busy(TaskhosterError):
+    """The server is shedding load; try again after `retry_after` seconds."""
+
+    code = "busy"
+    status = 503
+
+    def __init__(self, message: str = "", *, retry_after: int = 1):
+        super().__init__(message)
+        self.retry_after = retry_after
