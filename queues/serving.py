@@ -33,6 +33,9 @@ STOP_GRACE_SECONDS = 3
 # Above the usual clients' own idle limit (httpx: 5 s), so the server is not the side that closes
 # an idle keep-alive connection just as the client sends a request on it.
 KEEP_ALIVE_SECONDS = 75
+# Connections the kernel holds for daphne until it accepts them, as uvicorn's default: Twisted's
+# 50 overflows under a burst of connections, and each one dropped waits a second to try again.
+LISTEN_BACKLOG = 2048
 
 Ready = Callable[[int], None]
 Background = list[Callable[[], Coroutine]]
@@ -167,9 +170,10 @@ def run_daphne(application, *, host: str, port: int, ready: Ready, background: B
     from daphne.endpoints import build_endpoint_description_strings
     from twisted.internet import defer, reactor
 
+    endpoints = build_endpoint_description_strings(host=host, port=port)
     server = daphne.server.Server(
         application,
-        endpoints=build_endpoint_description_strings(host=host, port=port),
+        endpoints=[f"{endpoint}:backlog={LISTEN_BACKLOG}" for endpoint in endpoints],
         ping_interval=PING_INTERVAL,
         ping_timeout=PING_TIMEOUT,
         websocket_timeout=-1,  # never close a worker's socket for its age
