@@ -9,6 +9,7 @@ re-queued within about 30 s, and neither closes a worker's socket for its age.
 """
 
 import asyncio
+import resource
 import signal
 import threading
 from collections.abc import Callable, Coroutine, Iterator
@@ -83,6 +84,19 @@ def background_tasks() -> Background:
     if layer is None or isinstance(layer, InMemoryChannelLayer):
         return []
     return [ChannelBridge(layer).run]
+
+
+def raise_descriptor_limit() -> int:
+    """Raise this process's soft limit on open descriptors to its hard limit (the soft one is
+    often 1024, far below what the connections may need); the limit now in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == hard:
+        return soft
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ValueError, OSError):  # a hard limit the system will not grant as a soft one (macOS)
+        return soft
+    return hard
 
 
 def max_frame_bytes() -> int:
@@ -218,6 +232,7 @@ DEFAULT_SERVER = "uvicorn"
 
 def serve(*, host: str, port: int, ready: Ready, server: str = DEFAULT_SERVER) -> None:
     run = SERVERS[server]
+    raise_descriptor_limit()
     prepare()
     sweep_thread, stop_sweep = start_sweeper()
     from taskhoster_site.asgi import application
