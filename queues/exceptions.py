@@ -91,6 +91,17 @@ class UnsafePath(SuspiciousOperation):
     """A queue name, state or item id that must never reach the file system."""
 
 
+class Busy(TaskhosterError):
+    """The server is shedding load; try again after `retry_after` seconds."""
+
+    code = "busy"
+    status = 503
+
+    def __init__(self, message: str = "", *, retry_after: int = 1):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
 class InternalError(TaskhosterError):
     """An unexpected fault of the server; its traceback is in the server's log."""
 
@@ -111,3 +122,4 @@ def client_error(error: Exception) -> TaskhosterError:
     if isinstance(error, OSError):
         return StorageUnavailable(f"the data directory cannot be used: {error.strerror or error}")
     return InternalError("the server failed on this request; see its log")
+

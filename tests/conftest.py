@@ -61,8 +61,6 @@ def post_lands_mid_claim(monkeypatch) -> list[str]:
     """The first claim of the test finds the "jobs" queue empty, then an item is posted (and the
     hub told) before the claim can wait: the race a waiting claim must not lose. The posted
     ids, once posted."""
-    from queues.events import hub
-
     store = get_store()
     real_claim = store.claim_items
     posted: list[str] = []

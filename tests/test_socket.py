@@ -2,14 +2,12 @@
 bridge that carries wake-ups between server processes."""
 
 import asyncio
-import errno
 import json
 import os
 import shutil
 import threading
 from contextlib import asynccontextmanager
 
-import httpx
 import pytest
 from channels.layers import InMemoryChannelLayer
 from channels.testing import WebsocketCommunicator

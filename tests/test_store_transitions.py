@@ -13,7 +13,7 @@ import pytest
 from conftest import alongside
 from queues import ids
 from queues.exceptions import InvalidRequest, ItemNotFound, NotHeld, PayloadTooLarge
-from queues.store import Claim, QueueConfig, Store
+from queues.store import Claim, Store
 from queues.store.items import CLAIM_XATTR
 from store_support import Q, claim_one, files_in, post, queue_dir, states_of
 from storekit import finish, release

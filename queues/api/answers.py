@@ -4,7 +4,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from ..exceptions import TaskhosterError
+from ..exceptions import Busy, TaskhosterError
 
 Headers = tuple[tuple[bytes, bytes], ...]
 
@@ -37,4 +37,6 @@ def error_answer(status: int, code: str, message: str, headers: Headers = ()) ->
 
 
 def answer_for(error: TaskhosterError, headers: Headers = ()) -> Answer:
+    if isinstance(error, Busy):  # a busy answer always says when to come back
+        headers = (*headers, (b"retry-after", str(error.retry_after).encode()))
     return error_answer(error.status, error.code, error.message, headers)

@@ -5,10 +5,9 @@ error into a JSON answer."""
 import logging
 
 from django.conf import settings
-from django.db import DatabaseError
 
-from ..exceptions import ItemNotFound, MethodNotAllowed, StorageUnavailable, TaskhosterError, Unauthorized
-from .answers import Answer, answer_for, error_answer
+from ..exceptions import ItemNotFound, MethodNotAllowed, TaskhosterError, Unauthorized, client_error
+from .answers import Answer, answer_for
 from .handlers import router
 from .requests import ClientGone, Request
 from .router import Router
@@ -49,15 +48,9 @@ class ApiApplication:
             return answer_for(exc, ASK_FOR_TOKEN)
         except TaskhosterError as exc:
             return answer_for(exc)
-        except DatabaseError:
-            log.exception("the database failed during %s %s", request.method, request.path)
-            return error_answer(503, StorageUnavailable.code, "the database does not answer; try again")
-        except OSError as exc:
-            log.exception("the data directory failed during %s %s", request.method, request.path)
-            return answer_for(StorageUnavailable(f"the data directory cannot be used: {exc.strerror}"))
-        except Exception:
-            log.exception("unexpected error during %s %s", request.method, request.path)
-            return error_answer(500, "internal_error", "the server failed on this request; see its log")
+        except Exception as exc:  # the disk, the database, or a fault of ours
+            log.exception("%s %s failed", request.method, request.path)
+            return answer_for(client_error(exc))
 
 
 application = ApiApplication(router)

@@ -18,7 +18,7 @@ ID_PARAM = {
 }
 ERROR_CODES = [
     "invalid_json", "invalid_request", "unauthorized", "forbidden", "unknown_queue", "not_found",
-    "method_not_allowed", "not_held", "payload_too_large", "storage_unavailable", "internal_error",
+    "method_not_allowed", "not_held", "payload_too_large", "storage_unavailable", "busy", "internal_error",
 ]
 ERROR_TEXT = {
     400: "`invalid_json`: the body is not JSON; `invalid_request`: a field or parameter has the wrong "
@@ -32,7 +32,8 @@ ERROR_TEXT = {
     413: "`payload_too_large`: the body is over TASKHOSTER_MAX_BODY_BYTES, or a payload or result over "
     "TASKHOSTER_MAX_PAYLOAD_BYTES.",
     503: "`storage_unavailable`: the data directory cannot be written, the database does not answer, or "
-    "(posts only) the disk's free space is below TASKHOSTER_MIN_FREE_BYTES.",
+    "(posts only) the disk's free space is below TASKHOSTER_MIN_FREE_BYTES; `busy`: the server is receiving too "
+    "many request bodies at once, try again after `Retry-After` seconds.",
     500: "`internal_error`: an unexpected fault of the server, logged with its traceback.",
 }
 

@@ -1,25 +1,54 @@
 """One HTTP request as the handlers see it: headers, query parameters, and a body read with a
-size limit."""
+size limit and within the process's budget of body bytes."""
 
 import asyncio
 from functools import cached_property
 from urllib.parse import parse_qsl
 
-from ..exceptions import InvalidRequest, PayloadTooLarge
+from ..exceptions import Busy, InvalidRequest, PayloadTooLarge
 from ..protocol import parse_json
 
 NO_BODY = object()
+
+# The bodies of this many requests of the largest size may be received, and held while they are
+# handled, at once: past that a request is answered 503 `busy`, so concurrent uploads cannot grow
+# memory without bound. A multiple of TASKHOSTER_MAX_BODY_BYTES, so that one setting sizes both.
+BODIES_AT_ONCE = 4
+# An upload refused for want of room is retried after this long: most others are done by then.
+BUSY_RETRY_SECONDS = 1
 
 
 class ClientGone(Exception):
     """The client disconnected before its request was read: nobody is left to answer."""
 
 
+class BodyBudget:
+    """The bytes of request bodies the process is receiving or holding, shared by every request.
+    Used on the event loop only."""
+
+    def __init__(self):
+        self.taken = 0
+
+    def take(self, size: int, *, limit: int) -> None:
+        """Take `size` bytes more, or raise Busy if that would pass `limit`."""
+        if self.taken + size > limit:
+            raise Busy("the server is receiving too many request bodies at once", retry_after=BUSY_RETRY_SECONDS)
+        self.taken += size
+
+    def give_back(self, size: int) -> None:
+        self.taken -= size
+
+
+receiving = BodyBudget()
+
+
 class Request:
-    def __init__(self, scope: dict, receive, *, max_body_bytes: int):
+    def __init__(self, scope: dict, receive, *, max_body_bytes: int, budget: BodyBudget = receiving):
         self.scope = scope
         self._receive = receive
         self.max_body_bytes = max_body_bytes
+        self._budget = budget
+        self._budget_taken = 0  # given back by close()
         self._watcher: asyncio.Task | None = None
         self._gone = False
 
@@ -49,13 +78,15 @@ class Request:
         return query
 
     async def body(self) -> bytes:
-        """The whole body, refused with 413 as soon as it passes the limit (before reading it
-        when Content-Length says so)."""
+        """The whole body, refused with 413 as soon as it passes the limit, and with 503 `busy`
+        as soon as it does not fit the budget (both before reading it when Content-Length says
+        so)."""
         declared = self.header(b"content-length")
         if declared is not None:
             if not declared.strip().isdigit():
                 raise InvalidRequest("Content-Length is not a number")
             self._check_size(int(declared))
+            self._hold_budget(int(declared))
         chunks, size = [], 0
         while True:
             message = await self._receive()
@@ -64,6 +95,7 @@ class Request:
             chunk = message.get("body", b"")
             size += len(chunk)
             self._check_size(size)
+            self._hold_budget(size)
             chunks.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(chunks)
@@ -78,6 +110,12 @@ class Request:
     def _check_size(self, size: int) -> None:
         if size > self.max_body_bytes:
             raise PayloadTooLarge(f"the body is over {self.max_body_bytes} bytes")
+
+    def _hold_budget(self, size: int) -> None:
+        """Hold `size` bytes of the budget in all."""
+        if size > self._budget_taken:
+            self._budget.take(size - self._budget_taken, limit=BODIES_AT_ONCE * self.max_body_bytes)
+            self._budget_taken = size
 
     # ---- noticing a client that left while its answer waits (long-polls) --------------------
 
@@ -96,5 +134,8 @@ class Request:
         return self._gone
 
     def close(self) -> None:
+        """The request is done, whatever its outcome: stop watching, give the budget back."""
         if self._watcher is not None:
             self._watcher.cancel()
+        self._budget.give_back(self._budget_taken)
+        self._budget_taken = 0
