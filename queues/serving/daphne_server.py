@@ -1,0 +1,148 @@
+"""Serving with daphne (`serve --server daphne`), the server of `runserver`."""
+
+import asyncio
+
+from daphne.http_protocol import WebRequest
+from twisted.internet.protocol import Protocol
+from twisted.protocols.policies import ProtocolWrapper, WrappingFactory
+
+from .limits import (
+    HEAD_TIMEOUT_SECONDS,
+    KEEP_ALIVE_SECONDS,
+    LISTEN_BACKLOG,
+    PING_INTERVAL,
+    PING_TIMEOUT,
+    TOO_MANY_CONNECTIONS,
+    finish_leftover_tasks,
+    max_frame_bytes,
+)
+
+
+class _RefusedConnection(Protocol):
+    """What a connection over the cap gets under daphne: a 503, and closed."""
+
+    def connectionMade(self):
+        self.transport.write(TOO_MANY_CONNECTIONS)
+        self.transport.loseConnection()
+
+
+class _HeadClock(ProtocolWrapper):
+    """Closes its connection when a request head is not complete HEAD_TIMEOUT_SECONDS after the
+    connection opened, or after the head's first byte on a kept-alive connection. (Twisted's own
+    timeout is for idleness: every byte restarts it, so a trickle never meets it.)"""
+
+    clock = None
+    awaiting_head = True
+
+    def makeConnection(self, transport):
+        super().makeConnection(transport)
+        self._start()
+
+    def dataReceived(self, data):
+        if self.awaiting_head:
+            self._start()
+        super().dataReceived(data)
+
+    def head_received(self) -> None:
+        self.awaiting_head = False
+        self._stop()
+
+    def request_done(self) -> None:
+        self.awaiting_head = True  # the next head's clock starts with its first byte
+
+    def connectionLost(self, reason):
+        self._stop()
+        super().connectionLost(reason)
+
+    def _start(self) -> None:
+        if self.clock is None:
+            self.clock = self.factory.call_later(HEAD_TIMEOUT_SECONDS, self.transport.loseConnection)
+
+    def _stop(self) -> None:
+        if self.clock is not None:
+            if self.clock.active():
+                self.clock.cancel()
+            self.clock = None
+
+
+class _HeadTimedRequest(WebRequest):
+    """daphne's request, telling its connection's `_HeadClock` when its head is in and when it
+    is answered."""
+
+    def gotLength(self, length):  # Twisted calls it once the head is in
+        self.channel.transport.head_received()
+        super().gotLength(length)
+
+    def finish(self):
+        if self.channel is not None:  # else the connection is gone already
+            self.channel.transport.request_done()
+        super().finish()
+
+
+class _DaphneLimits(WrappingFactory):
+    """Wraps daphne's HTTP factory: a connection that finds `max_connections` open is answered
+    503 at once, each request head is timed, and an idle kept-alive connection closes after
+    KEEP_ALIVE_SECONDS as under uvicorn (Twisted's default: 12 hours)."""
+
+    protocol = _HeadClock
+
+    def __init__(self, http_factory, *, max_connections: int):
+        super().__init__(http_factory)
+        http_factory.timeOut = KEEP_ALIVE_SECONDS
+        self.call_later = http_factory.reactor.callLater
+        self.max_connections = max_connections
+
+    def buildProtocol(self, addr):
+        if len(self.protocols) >= self.max_connections:
+            return _RefusedConnection()
+        wrapper = super().buildProtocol(addr)
+        wrapper.wrappedProtocol.requestFactory = _HeadTimedRequest
+        return wrapper
+
+
+def run(
+    application, *, host: str, port: int, ready, background, max_connections: int
+) -> bool:
+    """Serve `application` with daphne until SIGINT/SIGTERM; call `ready(port)` once listening
+    and run each of `background` on the event loop. False if it could not listen."""
+    import daphne.server  # first: installs Twisted's asyncio reactor
+    from daphne.endpoints import build_endpoint_description_strings
+    from twisted.internet import defer, reactor
+
+    class Server(daphne.server.Server):
+        # daphne makes its HTTP factory inside run(): wrapped here as run() stores it
+        @property
+        def http_factory(self):
+            return self._limited_http_factory
+
+        @http_factory.setter
+        def http_factory(self, factory):
+            self._limited_http_factory = _DaphneLimits(factory, max_connections=max_connections)
+
+    endpoints = build_endpoint_description_strings(host=host, port=port)
+    server = Server(
+        application,
+        endpoints=[f"{endpoint}:backlog={LISTEN_BACKLOG}" for endpoint in endpoints],
+        ping_interval=PING_INTERVAL,
+        ping_timeout=PING_TIMEOUT,
+        websocket_timeout=-1,  # never close a worker's socket for its age
+        websocket_max_message_size=max_frame_bytes(),
+        websocket_max_frame_size=max_frame_bytes(),
+        ready_callable=lambda: ready(server.listening_addresses[0][1]),
+    )
+    tasks = []
+
+    def start_background():
+        loop = asyncio.get_event_loop()
+        tasks.extend(loop.create_task(start()) for start in background)
+
+    def stop_background():
+        for task in tasks:
+            task.cancel()
+        return defer.Deferred.fromFuture(asyncio.gather(*tasks, return_exceptions=True))
+
+    reactor.callWhenRunning(start_background)
+    reactor.addSystemEventTrigger("before", "shutdown", stop_background)
+    server.run()
+    finish_leftover_tasks(daphne.server.twisted_loop)
+    return bool(server.listening_addresses)
