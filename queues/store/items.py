@@ -175,7 +175,13 @@ class ItemFiles:
 
     def publish(self, queue: str, items: Sequence[Item], state: str) -> None:
         """Write new items and move them into `state`/: all of them on disk when it returns, or
-        none of them left behind when it raises."""
+        none of them left behind when it raises. A batch's files are flushed before any is moved
+        in, so a batch shows whole or not at all; a single item is moved in first and flushed
+        there, which on some file systems (ext4 without a journal) also flushes the directory
+        that names it, one flush fewer."""
+        if len(items) == 1:
+            self._publish_one(queue, items[0], state)
+            return
         written: list[str] = []
         try:
             for item in items:
@@ -196,6 +202,21 @@ class ItemFiles:
                 files.remove_quietly(path)
             for item_id in moved:
                 self._take_back(queue, state, item_id)
+            raise
+
+    def _publish_one(self, queue: str, item: Item, state: str) -> None:
+        written = self.write_aside(queue, item)
+        target = self.layout.item(queue, state, item.id)
+        try:
+            files.move(written, target)
+        except BaseException:
+            files.remove_quietly(written)
+            raise
+        try:
+            self.flush_files([target])
+            self.flush_states(queue, state)
+        except BaseException:
+            self._take_back(queue, state, item.id)
             raise
 
     def _take_back(self, queue: str, state: str, item_id: str) -> None:
