@@ -2,7 +2,7 @@
 
 Each server process runs one `ChannelBridge`: one channel for the whole process (not one per
 socket), added to a group per queue. What the in-process hub is told (items available, with a
-count; items terminal, with their ids) is published to the queue's group; what other processes
+count; items terminal or canceled, with their ids) is published to the queue's group; what other processes
 publish is fed into this process's hub with `local_only=True`, and our own messages are ignored.
 Wake-ups are hints: a lost one costs a waiter at most its one-second re-check of the disk.
 """
@@ -48,6 +48,7 @@ class ChannelBridge:
         self._lock = threading.Lock()
         self._available: dict[str, int] = {}
         self._terminal: dict[str, list[str]] = {}
+        self._canceled: dict[str, list[str]] = {}
         self._flush_scheduled = False
         self._outbox_ready: asyncio.Event | None = None
 
@@ -71,7 +72,7 @@ class ChannelBridge:
             if kind == "available":
                 self._available[queue] = self._available.get(queue, 0) + payload
             else:
-                self._terminal.setdefault(queue, []).extend(payload)
+                (self._terminal if kind == "terminal" else self._canceled).setdefault(queue, []).extend(payload)
             schedule, self._flush_scheduled = not self._flush_scheduled, True
         if schedule:
             self._loop.call_soon_threadsafe(self._outbox_ready.set)
@@ -83,11 +84,14 @@ class ChannelBridge:
             with self._lock:
                 available, self._available = self._available, {}
                 terminal, self._terminal = self._terminal, {}
+                canceled, self._canceled = self._canceled, {}
                 self._flush_scheduled = False
             for queue, count in available.items():
                 await self._send(queue, {"kind": "available", "count": count})
             for queue, item_ids in terminal.items():
                 await self._send(queue, {"kind": "terminal", "ids": item_ids})
+            for queue, item_ids in canceled.items():
+                await self._send(queue, {"kind": "canceled", "ids": item_ids})
 
     async def _send(self, queue: str, fields: dict) -> None:
         message = {"type": MESSAGE_TYPE, "origin": self.channel, "queue": queue, **fields}
@@ -115,6 +119,9 @@ class ChannelBridge:
             self.hub.items_available(queue, message["count"], local_only=True)
         elif kind == "terminal" and isinstance(message.get("ids"), list):
             self.hub.items_terminal(queue, message["ids"], local_only=True)
+        elif kind == "canceled" and isinstance(message.get("ids"), list):
+            for item_id in message["ids"]:
+                self.hub.item_canceled(queue, item_id, local_only=True)
 
     async def _join_groups(self) -> None:
         """Be in the group of every queue, re-joining each time (memberships may expire)."""

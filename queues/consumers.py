@@ -2,9 +2,9 @@
 
 Each frame's `op` maps to one `handle_<op>` method that validates the frame, calls the store off
 the event loop and answers; the lifecycle rules live in the store. A connection remembers the
-items it holds (with their claim tokens) so that closing the socket re-queues them at once (G8).
-No well-formed frame closes the socket: any error, expected or not, is answered with an error
-frame.
+items it holds (with their claim tokens) so that closing the socket re-queues them at once (G8),
+and is told (a `canceled` frame) when one of them is canceled. No well-formed frame closes the
+socket: any error, expected or not, is answered with an error frame.
 """
 
 import asyncio
@@ -23,9 +23,11 @@ from .exceptions import Forbidden, InvalidRequest, NotHeld, PayloadTooLarge, Tas
 from .protocol import (
     MAX_CLAIM,
     MAX_LEASE_SECONDS,
+    MAX_RELEASE_DELAY_SECONDS,
     MAX_RESULTS,
     MAX_SOCKET_CLAIM_WAIT_SECONDS,
     RECHECK_SECONDS,
+    claimed,
     integer_field,
     json_object,
     number_field,
@@ -34,7 +36,7 @@ from .protocol import (
     value_field,
 )
 from .runtime import get_registry, get_store, run
-from .store import Claim, QueueConfig, single
+from .store import ABSENT, QueueConfig, Release, single
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +47,7 @@ FIELDS = {
     "result": {"op", "ref", "queue", "id", "result"},
     "results": {"op", "ref", "items"},
     "extend": {"op", "ref", "queue", "id", "seconds"},
-    "release": {"op", "ref", "queue", "id"},
+    "release": {"op", "ref", "queue", "id", "delay", "error"},
 }
 RESULT_FIELDS = {"queue", "id", "result"}
 
@@ -138,12 +140,18 @@ class WorkConsumer(AsyncWebsocketConsumer):
         # a claim the thread finished after its socket went away still holds items: wait for it
         await asyncio.gather(*self.claiming, return_exceptions=True)
         held, self.held = self.held, {}
-        if held:
-            claims = [Claim(queue, item_id, token) for (queue, item_id), token in held.items()]
+        for queue, item_id in held:
+            hub.let_go(queue, item_id)
+        registry = get_registry()
+        releases = [
+            Release(registry.queue(queue) or QueueConfig(name=queue), item_id, token, reason="socket")
+            for (queue, item_id), token in held.items()
+        ]
+        if releases:
             try:
-                await run(get_store().release_items, claims=claims)
+                await run(get_store().release_items, releases=releases)
             except Exception:
-                log.exception("could not re-queue the %d items a closed socket held", len(claims))
+                log.exception("could not re-queue the %d items a closed socket held", len(releases))
 
     # ---- frames --------------------------------------------------------------------------
 
@@ -193,7 +201,7 @@ class WorkConsumer(AsyncWebsocketConsumer):
         posted = hub.available_mark(name)
         items = await self.claim(config, max_items)
         if items or not wait:
-            await self.answer("items", ref, items=[item.to_json(payload=True) for item in items])
+            await self.answer("items", ref, items=claimed(items, config.max_attempts))
             return
         task = asyncio.create_task(self.wait_and_claim(name, max_items, wait, ref, posted))
         self.waiting.add(task)
@@ -212,7 +220,7 @@ class WorkConsumer(AsyncWebsocketConsumer):
                 config = await self.work_queue(name)
                 posted = hub.available_mark(name)
                 items = await self.claim(config, max_items)
-            await self.answer("items", ref, items=[item.to_json(payload=True) for item in items])
+            await self.answer("items", ref, items=claimed(items, config.max_attempts))
         except Exception as exc:
             await self.answer_error(ref, exc)
 
@@ -226,15 +234,27 @@ class WorkConsumer(AsyncWebsocketConsumer):
 
     async def claim_and_hold(self, config: QueueConfig, max_items: int) -> list:
         items = await run(get_store().claim_items, config=config, max_items=max_items)
+        loop = asyncio.get_running_loop()
         for item in items:
             self.held[(config.name, item.id)] = item.claim_token
+            hub.hold(config.name, item.id, lambda queue, item_id: loop.call_soon_threadsafe(self.was_canceled, queue, item_id))
         return items
+
+    def was_canceled(self, queue: str, item_id: str) -> None:
+        """One of the items this connection holds was canceled: it holds it no more, and its
+        worker is told, so it can stop working on it."""
+        if self.held.pop((queue, item_id), None) is not None:
+            asyncio.ensure_future(self.answer("canceled", None, queue=queue, id=item_id))
+
+    def let_go_of(self, queue: str, item_id: str) -> None:
+        if self.held.pop((queue, item_id), None) is not None:
+            hub.let_go(queue, item_id)
 
     async def handle_result(self, frame: dict, ref) -> None:
         name, item_id, result = string_field(frame, "queue"), string_field(frame, "id"), value_field(frame, "result")
         config = await self.work_queue(name)
         outcome = single(await run(get_store().finish_items, results=[(config, item_id, result)]))
-        self.held.pop((name, item_id), None)
+        self.let_go_of(name, item_id)
         await self.answer("ack", ref, id=item_id, accepted=outcome.accepted)
 
     async def handle_results(self, frame: dict, ref) -> None:
@@ -256,7 +276,7 @@ class WorkConsumer(AsyncWebsocketConsumer):
             if isinstance(outcome, TaskhosterError):
                 acks.append({"id": item_id, "accepted": False, "error": outcome.code})
                 continue
-            self.held.pop((name, item_id), None)
+            self.let_go_of(name, item_id)
             acks.append({"id": item_id, "accepted": outcome.accepted})
         await self.answer("acks", ref, items=acks)
 
@@ -265,26 +285,27 @@ class WorkConsumer(AsyncWebsocketConsumer):
         name, item_id = string_field(frame, "queue"), string_field(frame, "id")
         seconds = number_field(frame, "seconds", low=1, high=MAX_LEASE_SECONDS)
         await self.work_queue(name)
-        claim = await self.held_claim(name, item_id)
-        item = await run(
-            get_store().extend_lease, queue=name, item_id=item_id, seconds=seconds, claim_token=claim.claim_token
-        )
+        token = await self.held_token(name, item_id)
+        item = await run(get_store().extend_lease, queue=name, item_id=item_id, seconds=seconds, claim_token=token)
         await self.answer("extended", ref, id=item_id, leaseExpiresAt=ids.iso(item.lease_expires_at))
 
     async def handle_release(self, frame: dict, ref) -> None:
-        """Put an item this connection holds back to pending now (else `not_held`)."""
+        """Give an item this connection holds back (else `not_held`): now, or after `delay`
+        seconds, with `error` kept as its lastError."""
         name, item_id = string_field(frame, "queue"), string_field(frame, "id")
-        await self.work_queue(name)
-        claim = await self.held_claim(name, item_id)
-        single(await run(get_store().release_items, claims=[claim]))
-        self.held.pop((name, item_id), None)
+        delay = number_field(frame, "delay", low=0, high=MAX_RELEASE_DELAY_SECONDS, default=0)
+        config = await self.work_queue(name)
+        token = await self.held_token(name, item_id)
+        release = Release(config, item_id, token, delay=delay, error=frame.get("error", ABSENT))
+        single(await run(get_store().release_items, releases=[release]))
+        self.let_go_of(name, item_id)
         await self.answer("released", ref, id=item_id)
 
-    async def held_claim(self, queue: str, item_id: str) -> Claim:
-        """This connection's claim of the item; `not_held` if it has none (`not_found` if the
-        server has no such item)."""
+    async def held_token(self, queue: str, item_id: str) -> str:
+        """This connection's claim token for the item; `not_held` if it holds none (`not_found`
+        if the server has no such item)."""
         token = self.held.get((queue, item_id))
         if token is None:
             await run(get_store().read_item, queue=queue, item_id=item_id)
             raise NotHeld(f"item {item_id} is not held by this connection")
-        return Claim(queue, item_id, token)
+        return token

@@ -1,5 +1,5 @@
-"""Wake-ups inside one server process: claims waiting for items, and reads waiting for an item
-to turn terminal.
+"""Wake-ups inside one server process: claims waiting for items, reads waiting for an item to
+turn terminal, and sockets holding an item that was canceled.
 
 Transitions made in this process (from the event loop or from any thread, such as the sweep's)
 call `items_available` / `items_terminal`; waiters await `wait_available` / `wait_terminal`.
@@ -14,7 +14,7 @@ feed theirs back in with `local_only=True`.
 import asyncio
 import threading
 from collections import defaultdict, deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
 
@@ -48,6 +48,7 @@ class Hub:
         self._item_waiters: dict[tuple[str, str], deque[asyncio.Future]] = defaultdict(deque)
         self._available_events: dict[str, int] = defaultdict(int)  # queue -> events so far
         self._terminal_events: dict[str, int] = defaultdict(int)
+        self._holders: dict[tuple[str, str], Callable[[str, str], None]] = {}  # held item -> told
         self.bridge: Bridge | None = None
 
     def items_available(self, queue: str, count: int = 1, *, local_only: bool = False) -> None:
@@ -74,6 +75,25 @@ class Hub:
             _wake_soon(future)
         if self.bridge is not None and not local_only and item_ids:
             self.bridge.publish("terminal", queue, item_ids)
+
+    def item_canceled(self, queue: str, item_id: str, *, local_only: bool = False) -> None:
+        """A processing item was canceled: tell the socket holding it, in this process or
+        (through the bridge) in another."""
+        with self._lock:
+            holder = self._holders.pop((queue, item_id), None)
+        if holder is not None:
+            holder(queue, item_id)
+        elif self.bridge is not None and not local_only:
+            self.bridge.publish("canceled", queue, [item_id])
+
+    def hold(self, queue: str, item_id: str, told: Callable[[str, str], None]) -> None:
+        """`told(queue, item_id)` is called (from any thread) if the item is canceled while held."""
+        with self._lock:
+            self._holders[(queue, item_id)] = told
+
+    def let_go(self, queue: str, item_id: str) -> None:
+        with self._lock:
+            self._holders.pop((queue, item_id), None)
 
     def available_mark(self, queue: str) -> int:
         """Take before looking for items; give to `wait_available`."""

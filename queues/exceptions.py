@@ -73,6 +73,20 @@ class NotHeld(TaskhosterError):
     status = 409
 
 
+class NotEnded(TaskhosterError):
+    """The item has not ended (it is scheduled, pending or processing)."""
+
+    code = "not_ended"
+    status = 409
+
+
+class KeyConflict(TaskhosterError):
+    """An item posted with this idempotency key has another payload."""
+
+    code = "key_conflict"
+    status = 409
+
+
 class PayloadTooLarge(TaskhosterError):
     """A body, payload or result is over its size limit."""
 

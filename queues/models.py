@@ -41,6 +41,13 @@ class Queue(models.Model):
         help_text="When the retention clock starts: when the item is done, or when its result is first read.",
     )
     paused = models.BooleanField(default=False, help_text="A paused queue takes posts and results but hands out no claims.")
+    max_attempts = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(1), MaxValueValidator(1000)],
+        help_text="How often an item may be handed out (1 to 1000); at the last try it ends failed "
+        "'max_attempts' instead of going back. Empty: no limit.",
+    )
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 
@@ -58,6 +65,7 @@ class Queue(models.Model):
             retain_seconds=self.retain_seconds,
             retain_from=self.retain_from,
             paused=self.paused,
+            max_attempts=self.max_attempts,
         )
 
 

@@ -1,9 +1,10 @@
-"""What clients may send, shared by the HTTP API and the /work socket: the protocol's limits, and
-strict parsing of JSON bodies and frames, their fields and query parameters. Anything of the
-wrong shape is refused with a clear `invalid_json` or `invalid_request`."""
+"""What the HTTP API and the /work socket share: the protocol's limits, strict parsing of JSON
+bodies and frames, their fields and query parameters (anything of the wrong shape is refused with
+a clear `invalid_json` or `invalid_request`), and the shape of a claimed item."""
 
 import json
 import math
+from datetime import datetime
 from typing import Any
 
 from .exceptions import InvalidJson, InvalidRequest
@@ -13,6 +14,8 @@ MAX_HTTP_WAIT_SECONDS = 60  # a long-polling read or claim over HTTP
 MAX_SOCKET_CLAIM_WAIT_SECONDS = 300
 MAX_LEASE_SECONDS = 86400  # an extension
 MAX_RESULTS = 1000  # results in one socket frame
+MAX_POST_DELAY_SECONDS = 30 * 86400  # a scheduled post's `delay`
+MAX_RELEASE_DELAY_SECONDS = 86400  # a release's `delay`
 # a waiting claim or read re-checks the disk at least this often, in case a wake-up was missed
 RECHECK_SECONDS = 1.0
 # Deep nesting is refused up front: near Python's recursion limit a payload that parses here could
@@ -35,6 +38,12 @@ def _finite_float(text: str) -> float:
 
 
 _DECODER = json.JSONDecoder(parse_constant=_refuse_constant, parse_float=_finite_float)
+
+
+def claimed(items: list, max_attempts: int | None) -> list[dict]:
+    """Claimed items as a worker gets them: with payloads, and the queue's maxAttempts, so a worker
+    knows its last try."""
+    return [{**item.to_json(payload=True), "maxAttempts": max_attempts} for item in items]
 
 
 def parse_json(raw: bytes) -> Any:
@@ -104,6 +113,32 @@ def string_field(body: dict, name: str) -> str:
 def value_field(body: dict, name: str) -> Any:
     """A field that may hold any JSON value, but must be there."""
     return _present(body, name, REQUIRED)
+
+
+def run_at_field(body: dict, *, now: float) -> float | None:
+    """When a post's item is due: `delay` seconds from `now`, or `runAt`, an ISO-8601 time with
+    an offset; None when neither is given (now)."""
+    if "delay" in body and "runAt" in body:
+        raise InvalidRequest("give 'delay' or 'runAt', not both")
+    if "delay" in body:
+        return now + number_field(body, "delay", low=0, high=MAX_POST_DELAY_SECONDS)
+    if "runAt" in body:
+        return moment_field(body, "runAt")
+    return None
+
+
+def moment_field(body: dict, name: str) -> float:
+    """An ISO-8601 time with an explicit offset (`Z` or `+02:00`), as a timestamp."""
+    text = body[name]
+    if not isinstance(text, str) or len(text) > 64:
+        raise InvalidRequest(f"{name!r} must be an ISO-8601 time such as 2026-12-01T14:00:00Z")
+    try:
+        moment = datetime.fromisoformat(text)
+    except ValueError:
+        raise InvalidRequest(f"{name!r} must be an ISO-8601 time such as 2026-12-01T14:00:00Z") from None
+    if moment.tzinfo is None:
+        raise InvalidRequest(f"{name!r} needs an offset, such as Z for UTC or +02:00: {text!r} has none")
+    return moment.timestamp()
 
 
 def number_param(query: dict[str, str], name: str, *, low: float, high: float, default: float) -> float:

@@ -7,7 +7,7 @@ from .models import Queue
 from .runtime import get_store
 from .store import Counts, QueueConfig
 
-SETTING_FIELDS = ("lease_seconds", "queue_seconds", "retain_seconds", "retain_from", "paused")
+SETTING_FIELDS = ("lease_seconds", "queue_seconds", "retain_seconds", "retain_from", "paused", "max_attempts")
 
 
 def save_queue(name: str, **changes) -> Queue:
@@ -43,7 +43,9 @@ def describe_queue(config: QueueConfig, counts: Counts, now: float) -> dict:
         "retainSeconds": config.retain_seconds,
         "retainFrom": config.retain_from,
         "paused": config.paused,
+        "maxAttempts": config.max_attempts,
         "counts": {
+            "scheduled": counts.scheduled,
             "pending": counts.pending,
             "processing": counts.processing,
             "finished": counts.finished,

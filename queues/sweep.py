@@ -1,4 +1,5 @@
-"""The sweep: one pass applies every queue's timers and repairs what crashes left behind."""
+"""The sweep: one pass applies every queue's timers and repairs what crashes left behind; and the
+promotion of scheduled items that came due, which runs more often than the sweep."""
 
 import logging
 import threading
@@ -7,6 +8,8 @@ from collections.abc import Callable, Iterable
 from .store import QueueConfig, Store
 
 log = logging.getLogger(__name__)
+
+PROMOTE_SECONDS = 0.25  # how often due items are looked for: well within a second of their runAt
 
 class Sweeper:
     """Runs passes over every queue. Safe beside other sweepers: each change is a transition
@@ -32,6 +35,7 @@ class Sweeper:
     def _sweep_queue(self, config: QueueConfig) -> dict[str, int]:
         changes = self.store.sweep_queue(config=config)
         return {
+            "promoted": len(changes.promoted),
             "repaired": len(changes.repaired),
             "failed": len(changes.failed),
             "requeued": len(changes.requeued),
@@ -49,4 +53,35 @@ class Sweeper:
                 changes = {}
             if changes and report:
                 report(changes)
+            stop.wait(interval)
+
+
+class Promoter:
+    """Moves the scheduled items that came due to pending, a look every `interval` seconds, so an
+    item is pending within a moment of its runAt whatever the sweep's interval. A look costs a
+    directory listing or two a queue however many items wait for later."""
+
+    def __init__(self, store: Store, configs: Callable[[], Iterable[QueueConfig]]):
+        self.store = store
+        self.configs = configs
+
+    def promote_once(self) -> dict[str, int]:
+        """One look at every queue; how many items each promoted (queues with none left out)."""
+        promoted = {}
+        for config in self.configs():
+            try:
+                count = len(self.store.promote_due(config=config))
+            except Exception:  # one queue's trouble must not stop the others
+                log.exception("promoting the due items of queue %s failed", config.name)
+                continue
+            if count:
+                promoted[config.name] = count
+        return promoted
+
+    def run(self, *, interval: float, stop: threading.Event) -> None:
+        while not stop.is_set():
+            try:
+                self.promote_once()
+            except Exception:  # the database is down for a moment, say: try again next look
+                log.exception("promoting due items failed")
             stop.wait(interval)

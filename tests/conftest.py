@@ -4,6 +4,7 @@ from faults import faults  # noqa: F401  (a fixture for every test module)
 
 from queues.runtime import get_registry, get_store
 from queues.store import QueueConfig, Store, files
+from storekit import post_batch
 
 START = 1_796_000_000.0  # 2026-11-30, a fixed instant for the injected clock
 
@@ -68,7 +69,7 @@ def post_lands_mid_claim(monkeypatch) -> list[str]:
     def claim_then_post(**kwargs):
         items = real_claim(**kwargs)
         if not posted:
-            posted.extend(item.id for item in store.post_items(queue="jobs", payloads=["late"]))  # tells the hub
+            posted.extend(item.id for item in post_batch(store, "jobs", ["late"]))  # tells the hub
         return items
 
     monkeypatch.setattr(store, "claim_items", claim_then_post)

@@ -4,6 +4,7 @@ import os
 from pathlib import Path
 
 from queues.store import QueueConfig, Store
+from storekit import post_batch
 
 Q = "jobs"
 
@@ -14,7 +15,8 @@ def queue_dir(store: Store, queue: str = Q) -> Path:
 
 def states_of(store: Store, item_id: str, queue: str = Q) -> list[str]:
     """Every state directory that holds a file for `item_id` (G1: exactly one)."""
-    return [s for s in ("pending", "processing", "done") if (queue_dir(store, queue) / s / f"{item_id}.json").exists()]
+    states = ("scheduled", "pending", "processing", "done")
+    return [s for s in states if (queue_dir(store, queue) / s / f"{item_id}.json").exists()]
 
 
 def files_in(store: Store, state: str, queue: str = Q) -> list[str]:
@@ -23,7 +25,7 @@ def files_in(store: Store, state: str, queue: str = Q) -> list[str]:
 
 
 def post(store: Store, *payloads, queue: str = Q) -> list[str]:
-    return [item.id for item in store.post_items(queue=queue, payloads=list(payloads) or [{"n": 1}])]
+    return [item.id for item in post_batch(store, queue, list(payloads) or [{"n": 1}])]
 
 
 def claim_one(store: Store, config: QueueConfig):

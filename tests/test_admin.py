@@ -7,7 +7,7 @@ import pytest
 from queues.models import ApiToken, Queue, hash_token
 from queues.runtime import get_registry, get_store
 from queues.services import save_queue
-from storekit import finish
+from storekit import finish, post_batch
 
 VALID_QUEUE = {
     "name": "thumbs",
@@ -33,7 +33,7 @@ def test_queue_list_shows_settings_and_live_counts_by_state(admin_client):
     thumbs = save_queue("thumbs", lease_seconds=90)
     save_queue("emails", paused=True, retain_from="fetched", queue_seconds=7200)
     store = get_store()
-    store.post_items(queue="thumbs", payloads=[1, 2, 3])
+    post_batch(store, "thumbs", [1, 2, 3])
     [item] = store.claim_items(config=thumbs.config())
     finish(store, thumbs.config(), item.id, None)
 
@@ -89,7 +89,7 @@ def test_a_queue_name_cannot_be_changed_once_made(admin_client):
 
 def test_change_page_shows_the_items_now(admin_client):
     queue = save_queue("thumbs")
-    get_store().post_items(queue="thumbs", payloads=[1, 2])
+    post_batch(get_store(), "thumbs", [1, 2])
     html = admin_client.get(f"/admin/queues/queue/{queue.pk}/change/").content.decode()
     assert "2 pending, 0 processing, 0 finished, 0 failed" in html
     assert 'href="/queues/thumbs/"' in html
@@ -120,7 +120,7 @@ def test_pause_and_resume_actions(admin_client):
 
 def test_deleting_a_queue_deletes_its_items(admin_client, settings):
     queue = save_queue("thumbs")
-    get_store().post_items(queue="thumbs", payloads=[1])
+    post_batch(get_store(), "thumbs", [1])
     response = admin_client.post(f"/admin/queues/queue/{queue.pk}/delete/", {"post": "yes"})
     assert response.status_code == 302
     assert not Queue.objects.exists()

@@ -18,7 +18,8 @@ from queues import ids, runtime
 from queues.api import handlers
 from queues.runtime import get_registry, get_store, run
 from queues.services import save_queue
-from queues.store import QueueConfig, Store
+from queues.store import NewItem, QueueConfig, Store
+from storekit import post_batch
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -78,7 +79,7 @@ async def test_read_item_shows_the_payload_only_when_asked(api, queues, tokens):
 
 async def test_a_first_claim_finds_what_another_process_posted(api, queues, tokens):
     other = Store(get_store().data_dir, fsync=False)  # as another process: this one never saw them
-    posted = other.post_items(queue="jobs", payloads=[1, 2])
+    posted = post_batch(other, "jobs", [1, 2])
 
     claimed = await claim(api, tokens["worker"], max=5)
 
@@ -93,7 +94,7 @@ async def test_claim_hands_out_items_oldest_first_with_payloads_and_a_lease(api,
 
     assert [c["id"] for c in claimed] == [first["id"], second["id"]]
     one = claimed[0]
-    assert set(one) == ITEM_KEYS | {"payload"}
+    assert set(one) == ITEM_KEYS | {"payload", "maxAttempts"}
     assert (one["status"], one["attempts"], one["payload"]) == ("processing", 1, "a")
     assert ISO.fullmatch(one["claimedAt"]) and ISO.fullmatch(one["leaseExpiresAt"])
     lease = ids.parse_iso(one["leaseExpiresAt"]) - ids.parse_iso(one["claimedAt"])
@@ -149,7 +150,7 @@ async def test_a_result_for_an_aged_item_fails_it_with_timeout(api, queues, toke
     await asave_queue("short", queue_seconds=1)
     get_registry().invalidate()
     earlier = Store(get_store().data_dir, fsync=False, clock=lambda: time.time() - 5)
-    old_id = earlier.post_items(queue="short", payloads=[1])[0].id  # posted five seconds ago
+    old_id = post_batch(earlier, "short", [1])[0].id  # posted five seconds ago
 
     answer = await api.post(
         f"/api/queues/short/items/{old_id}/result", json={"result": 1}, headers=bearer(tokens["worker"])
@@ -197,7 +198,8 @@ async def test_queue_stats_show_settings_and_counts(api, queues, tokens):
         "retainSeconds": 3600,
         "retainFrom": "finished",
         "paused": False,
-        "counts": {"pending": 1, "processing": 1, "finished": 1, "failed": 0},
+        "maxAttempts": None,
+        "counts": {"scheduled": 0, "pending": 1, "processing": 1, "finished": 1, "failed": 0},
     }
     assert 0 <= age < 60
 
@@ -205,7 +207,7 @@ async def test_queue_stats_show_settings_and_counts(api, queues, tokens):
 async def test_queue_stats_of_an_empty_queue_have_no_oldest_age(api, queues, tokens):
     stats = (await api.get("/api/queues/other", headers=bearer(tokens["all"]))).json()
 
-    assert stats["counts"] == {"pending": 0, "processing": 0, "finished": 0, "failed": 0}
+    assert stats["counts"] == {"scheduled": 0, "pending": 0, "processing": 0, "finished": 0, "failed": 0}
     assert stats["oldestPendingAgeSeconds"] is None
 
 
@@ -217,7 +219,7 @@ async def test_queue_list_shows_only_the_queues_the_token_may_see(api, queues, t
     assert [q["name"] for q in every.json()["queues"]] == ["jobs", "other"]
     assert [q["name"] for q in scoped.json()["queues"]] == ["other"]
     assert set(scoped.json()["queues"][0]) == {
-        "name", "leaseSeconds", "queueSeconds", "retainSeconds", "retainFrom", "paused", "counts",
+        "name", "leaseSeconds", "queueSeconds", "retainSeconds", "retainFrom", "paused", "maxAttempts", "counts",
         "oldestPendingAgeSeconds",
     }
 
@@ -317,7 +319,8 @@ async def test_a_post_begun_is_finished_even_if_its_caller_is_cancelled(queues, 
         return real_post(**kwargs)
 
     monkeypatch.setattr(store, "post_items", slow_post)
-    posting = asyncio.create_task(run(store.post_items, queue="jobs", payloads=[1, 2]))
+    items = [NewItem(1), NewItem(2)]
+    posting = asyncio.create_task(run(store.post_items, config=QueueConfig(name="jobs"), items=items))
     await asyncio.sleep(0.2)
     posting.cancel()
     gate.set()

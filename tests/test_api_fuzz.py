@@ -18,7 +18,7 @@ from queues.api.handlers import router
 from queues.runtime import get_registry, get_store
 from queues.services import save_queue
 from taskhoster_site.asgi import application
-from storekit import finish
+from storekit import finish, post_batch
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -107,7 +107,7 @@ def world(transactional_db, settings):
     registry.invalidate()
     registry.refresh()
     store = get_store()
-    done = store.post_items(queue="jobs", payloads=[1])[0].id
+    done = post_batch(store, "jobs", [1])[0].id
     finish(store, registry.queue("jobs"), done, 1)
     loop = asyncio.new_event_loop()
     yield {"tokens": tokens, "done": done, "loop": loop}

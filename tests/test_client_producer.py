@@ -276,7 +276,7 @@ def test_stats_shows_one_queue_or_every_queue(live):
         one = producer.stats("stats")
         every = producer.stats()
     assert one["name"] == "stats" and one["leaseSeconds"] == 7
-    assert set(one["counts"]) == {"pending", "processing", "finished", "failed"}
+    assert set(one["counts"]) == {"scheduled", "pending", "processing", "finished", "failed"}
     assert {"jobs", "ages", "stats"} <= {queue["name"] for queue in every}
 
 

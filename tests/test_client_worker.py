@@ -712,7 +712,7 @@ def test_the_worker_reconnects_after_a_server_restart_and_every_item_finishes_on
         assert results == [n * 2 for n in range(40)]
         assert gated_calls == [1]  # the handler ran once: a re-claim of its item did not start it again
         counts = producer.stats("restart")["counts"]
-        assert counts == {"pending": 0, "processing": 0, "finished": 41, "failed": 0}
+        assert counts == {"scheduled": 0, "pending": 0, "processing": 0, "finished": 41, "failed": 0}
     assert any("connected again" in record.getMessage() for record in caplog.records)
 
 

@@ -14,7 +14,7 @@ from queues.models import Queue
 from queues.runtime import get_store
 from queues.services import save_queue
 from queues.store import QueueConfig, Store
-from storekit import finish
+from storekit import finish, post_batch
 
 pytestmark = pytest.mark.django_db
 
@@ -45,7 +45,8 @@ def test_createqueue_creates_a_queue_with_the_defaults_and_prints_it():
         "retainSeconds": 3600,
         "retainFrom": "finished",
         "paused": False,
-        "counts": {"pending": 0, "processing": 0, "finished": 0, "failed": 0},
+        "maxAttempts": None,
+        "counts": {"scheduled": 0, "pending": 0, "processing": 0, "finished": 0, "failed": 0},
         "oldestPendingAgeSeconds": None,
     }
     assert Queue.objects.get(name="thumbs").config() == QueueConfig(name="thumbs")
@@ -73,9 +74,9 @@ def test_createqueue_changes_only_the_given_settings():
 
 def test_createqueue_shows_the_queue_counts():
     createqueue("thumbs")
-    get_store().post_items(queue="thumbs", payloads=[1, 2])
+    post_batch(get_store(), "thumbs", [1, 2])
     shown = createqueue("thumbs")
-    assert shown["counts"] == {"pending": 2, "processing": 0, "finished": 0, "failed": 0}
+    assert shown["counts"] == {"scheduled": 0, "pending": 2, "processing": 0, "finished": 0, "failed": 0}
     assert 0 <= shown["oldestPendingAgeSeconds"] < 60
 
 
@@ -138,7 +139,7 @@ def test_sweep_once_prints_what_changed():
     save_queue("thumbs", retain_seconds=0)
     save_queue("quiet")
     store = get_store()
-    lapsed, finished = (i.id for i in store.post_items(queue="thumbs", payloads=[1, 2]))
+    lapsed, finished = (i.id for i in post_batch(store, "thumbs", [1, 2]))
     # a claim made an hour ago (by another process whose lease ran out meanwhile)
     an_hour_ago = Store(store.data_dir, fsync=False, clock=lambda: time.time() - 3600)
     config = Queue.objects.get(name="thumbs").config()
@@ -149,7 +150,7 @@ def test_sweep_once_prints_what_changed():
     os.utime(stale, (time.time() - 7200, time.time() - 7200))
 
     assert json.loads(run("sweep", "--once")) == {
-        "thumbs": {"repaired": 0, "failed": 0, "requeued": 1, "deleted": 1, "tmpRemoved": 1}
+        "thumbs": {"promoted": 0, "repaired": 0, "failed": 0, "requeued": 1, "deleted": 1, "tmpRemoved": 1}
     }
     assert store.read_item(queue="thumbs", item_id=lapsed).status == "pending"
     assert json.loads(run("sweep", "--once")) == {}

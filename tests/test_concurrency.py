@@ -14,7 +14,7 @@ import sys
 import time
 from collections import Counter, defaultdict
 from pathlib import Path
-from storekit import finish
+from storekit import finish, post_batch
 
 QUEUE = "jobs"
 ITEMS = 2000
@@ -24,7 +24,7 @@ PROJECT = Path(__file__).resolve().parent.parent
 
 
 def worker(data_dir: str, log_path: str, number: int) -> None:
-    from queues.store import Claim, QueueConfig, Store
+    from queues.store import QueueConfig, Release, Store
 
     config = QueueConfig(name=QUEUE, lease_seconds=60, queue_seconds=86400, retain_seconds=86400)
     store = Store(data_dir, fsync=False)
@@ -58,7 +58,7 @@ def worker(data_dir: str, log_path: str, number: int) -> None:
                 if hand_in(item.id) and hand_in(item.id):
                     log.append(["finished twice", item.id, None])
             elif roll < 0.75:
-                store.release_items(claims=[Claim(QUEUE, item.id, item.claim_token)])
+                store.release_items(releases=[Release(config, item.id, item.claim_token)])
             else:
                 held.append(item)
         if held and (not claimed or rng.random() < 0.3):
@@ -77,7 +77,7 @@ def test_processes_racing_on_one_directory_keep_every_guarantee(tmp_path):
     store = Store(data_dir, fsync=False)
     posted = []
     for start in range(0, ITEMS, 500):
-        posted += [i.id for i in store.post_items(queue=QUEUE, payloads=list(range(start, start + 500)))]
+        posted += [i.id for i in post_batch(store, QUEUE, list(range(start, start + 500)))]
 
     logs = [tmp_path / f"worker-{n}.log" for n in range(WORKERS)]
     env = {**os.environ, "PYTHONPATH": str(PROJECT)}

@@ -16,7 +16,7 @@ import sys
 import time
 from collections import defaultdict
 from pathlib import Path
-from storekit import finish, release
+from storekit import finish, post_batch, release
 
 QUEUE = "jobs"
 KILLS = 25
@@ -45,7 +45,7 @@ def child(data_dir: str, log_path: str, seed: int) -> None:
     held = []
     print("ready", flush=True)
     while True:
-        posted = store.post_items(queue=QUEUE, payloads=[{"seed": seed}] * rng.randint(1, 8))
+        posted = post_batch(store, QUEUE, [{"seed": seed}] * rng.randint(1, 8))
         record([f"P {item.id}" for item in posted])
         for item in store.claim_items(config=config, max_items=rng.randint(1, 4)):
             roll = rng.random()

@@ -21,7 +21,7 @@ from queues.models import Queue
 from queues.runtime import get_registry, get_store
 from queues.services import save_queue
 from queues.store import QueueConfig, Store
-from storekit import finish, release
+from storekit import finish, post_batch, release
 from taskhoster_site.asgi import application
 
 PROJECT = Path(__file__).resolve().parent.parent
@@ -63,7 +63,7 @@ def clocked_store(settings, clock, monkeypatch):
 
 
 def post(queue_name: str, *payloads) -> list[str]:
-    return [item.id for item in get_store().post_items(queue=queue_name, payloads=list(payloads))]
+    return [item.id for item in post_batch(get_store(), queue_name, list(payloads))]
 
 
 def pages_of(queue_name: str, item_id: str) -> list[str]:
@@ -157,7 +157,7 @@ def test_dashboard_shows_every_queue_with_counts_by_state(staff_client, queue):
 
 def test_dashboard_shows_oldest_pending_age_and_throughput(staff_client, queue, clocked_store, clock):
     config = queue.config()
-    clocked_store.post_items(queue="thumbs", payloads=[1, 2])
+    post_batch(clocked_store, "thumbs", [1, 2])
     clock.advance(125)
     [item] = clocked_store.claim_items(config=config)
     finish(clocked_store, config, item.id, None)
@@ -229,7 +229,7 @@ def test_unknown_queue_gets_a_clear_404(staff_client, db):
 
 def test_processing_list_shows_attempts_and_lease_time_left(staff_client, queue, clocked_store, clock):
     config = queue.config()
-    clocked_store.post_items(queue="thumbs", payloads=[1])
+    post_batch(clocked_store, "thumbs", [1])
     [item] = clocked_store.claim_items(config=config)
     release(clocked_store, "thumbs", item.id)
     clocked_store.claim_items(config=config)
@@ -249,7 +249,7 @@ def test_processing_list_shows_attempts_and_lease_time_left(staff_client, queue,
 
 def test_done_list_shows_finished_and_failed_items(staff_client, db, clocked_store, clock):
     config = save_queue("thumbs", queue_seconds=60).config()
-    clocked_store.post_items(queue="thumbs", payloads=[1, 2])
+    post_batch(clocked_store, "thumbs", [1, 2])
     [item] = clocked_store.claim_items(config=config)
     finish(clocked_store, config, item.id, "ok")
     clock.advance(61)
@@ -282,7 +282,7 @@ def test_item_page_shows_payload_and_result_as_pretty_json(staff_client, queue):
 
 def test_item_page_of_a_failed_item_shows_the_error(staff_client, db, clocked_store, clock):
     config = save_queue("thumbs", queue_seconds=5).config()
-    [item] = clocked_store.post_items(queue="thumbs", payloads=[None])
+    [item] = post_batch(clocked_store, "thumbs", [None])
     clock.advance(6)
     clocked_store.sweep_queue(config=config)
 
@@ -427,10 +427,10 @@ def test_chart_columns_are_scaled_to_the_busiest_minute():
 
 OTHER_PROCESS = """
 import sys, time
-from queues.store import QueueConfig, Store
+from queues.store import NewItem, QueueConfig, Store
 config = QueueConfig(name="thumbs", queue_seconds=60)
 server = Store(sys.argv[1], fsync=False)
-items = server.post_items(queue="thumbs", payloads=[1, 2, 3, 4, 5])
+items = server.post_items(config=config, items=[NewItem(n) for n in [1, 2, 3, 4, 5]])
 for item in server.claim_items(config=config, max_items=2):
     server.finish_items(results=[(config, item.id, "ok")])
 server.claim_items(config=config)
@@ -449,7 +449,7 @@ def test_snapshot_counts_what_other_processes_and_sweepers_did(tmp_path):
     snapshot = take_snapshot(dashboard_store, [QueueConfig(name="thumbs")])
 
     [queue] = snapshot["queues"]
-    assert queue["counts"] == {"pending": 0, "processing": 0, "finished": 2, "failed": 3}
+    assert queue["counts"] == {"scheduled": 0, "pending": 0, "processing": 0, "finished": 2, "failed": 3}
     assert sum(minute["finished"] for minute in queue["throughput"]) == 2
     assert sum(minute["failed"] for minute in queue["throughput"]) == 3
 
@@ -480,7 +480,7 @@ async def test_live_socket_sends_staff_a_snapshot_and_then_the_changes(staff_hea
         assert first["type"] == "snapshot"
         [thumbs] = first["queues"]
         assert thumbs["name"] == "thumbs" and thumbs["paused"] is False
-        assert thumbs["counts"] == {"pending": 2, "processing": 0, "finished": 0, "failed": 0}
+        assert thumbs["counts"] == {"scheduled": 0, "pending": 2, "processing": 0, "finished": 0, "failed": 0}
         assert len(thumbs["throughput"]) == 15
 
         get_store().claim_items(config=queue.config())

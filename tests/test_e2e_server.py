@@ -314,7 +314,7 @@ def test_two_servers_wake_each_other_and_hand_each_item_out_once(variant, tmp_pa
         assert sum(1 for w in workers if w.values("claimed")) > 1
         for api in (api_first, api_second):
             counts = api.get("/api/queues/shared").json()["counts"]
-            assert counts == {"pending": 0, "processing": 0, "finished": len(posted), "failed": 0}
+            assert counts == {"scheduled": 0, "pending": 0, "processing": 0, "finished": len(posted), "failed": 0}
 
 
 @ON_DEFAULT_SERVER

@@ -62,7 +62,7 @@ def test_the_python_examples_work_together(live, env, tmp_path):
 
     sync_lines = outputs[0].stdout.splitlines()
     assert sync_lines[0] == "{'thumbnail': 'cat-128.png', 'attempt': 1}"
-    assert sync_lines[1].startswith("{'pending': ")
+    assert sync_lines[1].startswith("{'scheduled': 0, 'pending': ")
     assert outputs[1].stdout.strip() == str([f"{n}-128.png" for n in range(10)])
 
 

@@ -20,7 +20,7 @@ from queues.runtime import get_registry, get_store
 from queues.services import save_queue
 from queues.store import QueueConfig
 from taskhoster_site.asgi import application
-from storekit import finish, release
+from storekit import finish, post_batch, release
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -69,7 +69,7 @@ async def ask(ws, frame) -> dict:
 
 
 def post(queue: str, *payloads, wake: bool = True) -> list[str]:
-    items = get_store().post_items(queue=queue, payloads=list(payloads))
+    items = post_batch(get_store(), queue, list(payloads))
     if wake:
         hub.items_available(queue, len(items))
     return [item.id for item in items]

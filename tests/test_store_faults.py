@@ -15,8 +15,9 @@ import pytest
 
 from faults import Faults
 from queues.exceptions import StorageUnavailable, TaskhosterError
-from queues.store import Claim, QueueConfig, Store, files
+from queues.store import QueueConfig, Release, Store, files
 from store_support import Q, files_in, queue_dir
+from storekit import post_batch
 
 CONFIG = QueueConfig(name=Q, lease_seconds=30, queue_seconds=600, retain_seconds=60)
 KINDS = {
@@ -107,7 +108,7 @@ def _no_fault_left(monkeypatch):
 
 
 def posted(store, clock, count=3) -> list[str]:
-    return [item.id for item in store.post_items(queue=Q, payloads=[{"n": n} for n in range(count)])]
+    return [item.id for item in post_batch(store, Q, [{"n": n} for n in range(count)])]
 
 
 # ---- posts -----------------------------------------------------------------------------------
@@ -116,14 +117,12 @@ def posted(store, clock, count=3) -> list[str]:
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("count", [1, 3])
 def test_a_post_that_fails_leaves_no_item_and_the_next_try_posts(tmp_path, kind, count):
-    walk = Walk(tmp_path, lambda store, clock: [], lambda store, clock, ids: store.post_items(
-        queue=Q, payloads=[{"n": n} for n in range(count)]
-    ))
+    walk = Walk(tmp_path, lambda store, clock: [], lambda store, clock, ids: post_batch(store, Q, [{"n": n} for n in range(count)]))
     for store, clock, _, _, outcome in walk.each_fault(kind):
         pending = files_in(store, "pending")
         if isinstance(outcome, StorageUnavailable):
             assert pending == [] and files_in(store, "processing") == []
-            outcome = store.post_items(queue=Q, payloads=[{"n": n} for n in range(count)])
+            outcome = post_batch(store, Q, [{"n": n} for n in range(count)])
         assert sorted(f"{item.id}.json" for item in outcome) == files_in(store, "pending")
         for item in outcome:
             assert store.read_item(queue=Q, item_id=item.id).payload == item.payload
@@ -197,7 +196,7 @@ def test_a_release_or_extension_that_fails_changes_nothing(tmp_path, kind):
     def act(store, clock, ids):
         clock.now += 5
         store.extend_lease(queue=Q, item_id=ids[0], seconds=100)
-        return store.release_items(claims=[Claim(Q, ids[1])])
+        return store.release_items(releases=[Release(CONFIG, ids[1])])
 
     walk = Walk(tmp_path, setup, act)
     for store, clock, ids, before, outcome in walk.each_fault(kind):

@@ -13,7 +13,7 @@ import pytest
 from queues.exceptions import StorageUnavailable
 from queues.store import Store, files
 from store_support import Q, claim_one, files_in, post, queue_dir
-from storekit import finish
+from storekit import finish, post_batch
 
 
 def test_a_write_the_disk_cuts_short_is_carried_on(tmp_path, faults):
@@ -116,7 +116,7 @@ def test_posts_stop_at_the_free_space_reserve_while_results_go_on(tmp_path, conf
     claim_one(store, config)
     full = Store(tmp_path / "data", fsync=False, min_free_bytes=free * 2)  # as if nearly full
     with pytest.raises(StorageUnavailable, match="nearly full"):
-        full.post_items(queue=Q, payloads=[2])
+        post_batch(full, Q, [2])
     assert finish(full, config, item_id, "r").accepted
     assert not full.check_health().ok and store.check_health().ok
     assert files_in(store, "pending") == []
@@ -144,7 +144,7 @@ def test_posts_that_share_a_failed_flush_all_fail_and_leave_nothing(tmp_path, mo
 
     def post_one(n):
         try:
-            outcomes[n] = store.post_items(queue=Q, payloads=[n])[0].id
+            outcomes[n] = post_batch(store, Q, [n])[0].id
         except StorageUnavailable:
             outcomes[n] = None
 

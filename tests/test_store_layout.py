@@ -7,7 +7,7 @@ import pytest
 
 from queues import ids
 from queues.exceptions import InvalidRequest, ItemNotFound, UnknownQueue, UnsafePath
-from queues.store import Claim, QueueConfig
+from queues.store import QueueConfig, Release
 from queues.store.layout import Layout
 from store_support import Q, post
 
@@ -76,5 +76,5 @@ def test_a_malformed_id_is_not_found_without_touching_the_disk(store, config, ba
         with pytest.raises(ItemNotFound):
             call()
     (finished,) = store.finish_items(results=[(config, bad_id, 1)])
-    (released,) = store.release_items(claims=[Claim(Q, bad_id, "t")])
+    (released,) = store.release_items(releases=[Release(config, bad_id, "t")])
     assert isinstance(finished, ItemNotFound) and isinstance(released, ItemNotFound)

@@ -13,16 +13,16 @@ import pytest
 from conftest import alongside
 from queues import ids
 from queues.exceptions import InvalidRequest, ItemNotFound, NotHeld, PayloadTooLarge
-from queues.store import Claim, Store
+from queues.store import NewItem, QueueConfig, Release, Store
 from queues.store.items import CLAIM_XATTR
 from store_support import Q, claim_one, files_in, post, queue_dir, states_of
-from storekit import finish, release
+from storekit import finish, post_batch, release
 
 # ---- posting ---------------------------------------------------------------------------------
 
 
 def test_a_posted_item_is_pending_with_its_payload(store, clock):
-    (item,) = store.post_items(queue=Q, payloads=[{"image": "a.png"}])
+    (item,) = post_batch(store, Q, [{"image": "a.png"}])
     assert item.status == "pending"
     assert item.attempts == 0
     assert item.posted_at == pytest.approx(clock.now, abs=0.001)
@@ -43,7 +43,7 @@ def test_a_posted_item_is_pending_with_its_payload(store, clock):
 
 
 def test_a_batch_posts_every_item_with_increasing_ids(store):
-    items = store.post_items(queue=Q, payloads=list(range(1000)))
+    items = post_batch(store, Q, list(range(1000)))
     assert [i.payload for i in items] == list(range(1000))
     assert [i.id for i in items] == sorted(i.id for i in items)
     assert len(files_in(store, "pending")) == 1000
@@ -52,7 +52,7 @@ def test_a_batch_posts_every_item_with_increasing_ids(store):
 
 def test_a_batch_with_one_oversized_payload_writes_nothing(store):
     with pytest.raises(PayloadTooLarge, match="limit is 1024"):
-        store.post_items(queue=Q, payloads=[{"ok": 1}, "x" * 2000, {"ok": 2}])
+        post_batch(store, Q, [{"ok": 1}, "x" * 2000, {"ok": 2}])
     assert files_in(store, "pending") == []
     assert files_in(store, "tmp") == []
     assert store.count_items(queue=Q).pending == 0
@@ -60,8 +60,9 @@ def test_a_batch_with_one_oversized_payload_writes_nothing(store):
 
 @pytest.mark.parametrize("payloads", [[], list(range(1001)), "not a list", [{1, 2}], [float("nan")]])
 def test_a_bad_batch_is_refused_and_writes_nothing(store, payloads):
+    items = [NewItem(payload) for payload in payloads] if isinstance(payloads, list) else payloads
     with pytest.raises(InvalidRequest):
-        store.post_items(queue=Q, payloads=payloads)
+        store.post_items(config=QueueConfig(name=Q), items=items)
     assert files_in(store, "pending") == []
     assert files_in(store, "tmp") == []
 
@@ -69,7 +70,7 @@ def test_a_bad_batch_is_refused_and_writes_nothing(store, payloads):
 def test_a_bad_queue_name_is_refused_before_the_disk(store):
     for name in ("..", "a/b", "Jobs", "x" * 65, "", "-a"):
         with pytest.raises(InvalidRequest):
-            store.post_items(queue=name, payloads=[1])
+            post_batch(store, name, [1])
     assert not store.data_dir.exists()
 
 
@@ -383,7 +384,7 @@ def test_batches_of_results_racing_over_the_same_items_accept_each_once(tmp_path
     """Two processes (two stores) with two threads each hand in overlapping batches in different
     orders: none may deadlock or finish an item twice."""
     stores = [Store(tmp_path / "shared", fsync=False, clock=clock) for _ in range(2)]
-    posted = [i.id for i in stores[0].post_items(queue=Q, payloads=list(range(600)))]
+    posted = [i.id for i in post_batch(stores[0], Q, list(range(600)))]
     accepted: list[str] = []
     lock = threading.Lock()
 
@@ -494,9 +495,9 @@ def test_releasing_many_gives_each_claim_its_own_outcome(store, config):
     a, b, c = post(store, 1, 2, 3)
     claimed = {item.id: item for item in store.claim_items(config=config, max_items=3)}
     finish(store, config, c, 1)
-    outcomes = store.release_items(claims=[
-        Claim(Q, a, claimed[a].claim_token), Claim(Q, b, "stale"), Claim(Q, c, claimed[c].claim_token),
-        Claim(Q, ids.IdMaker().new_ids(1, 0)[0], "t"),
+    outcomes = store.release_items(releases=[
+        Release(config, a, claimed[a].claim_token), Release(config, b, "stale"),
+        Release(config, c, claimed[c].claim_token), Release(config, ids.IdMaker().new_ids(1, 0)[0], "t"),
     ])
     assert outcomes[0].status == "pending"
     assert [type(o) for o in outcomes[1:]] == [NotHeld, NotHeld, ItemNotFound]

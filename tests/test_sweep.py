@@ -10,9 +10,9 @@ import pytest
 from queues.store import QueueConfig, Store
 from queues.store.sweep import ID_CLOCK_MARGIN_SECONDS, STALE_SECONDS
 from queues.sweep import Sweeper
-from storekit import finish, release
+from storekit import finish, post_batch, release
 
-QUIET = {"repaired": 0, "failed": 0, "requeued": 0, "deleted": 0, "tmpRemoved": 0}
+QUIET = {"promoted": 0, "repaired": 0, "failed": 0, "requeued": 0, "deleted": 0, "tmpRemoved": 0}
 
 
 def state_dir(store: Store, queue: str, state: str):
@@ -25,9 +25,9 @@ def states_of(store: Store, queue: str, item_id: str) -> list[str]:
 
 def test_one_pass_applies_every_timer_and_repairs_crash_leftovers(store, clock, config):
     start = clock.now
-    (aged,) = (i.id for i in store.post_items(queue="jobs", payloads=[0]))
+    (aged,) = (i.id for i in post_batch(store, "jobs", [0]))
     clock.advance(200)
-    lapsed, retained, doubled = (i.id for i in store.post_items(queue="jobs", payloads=[1, 2, 3]))
+    lapsed, retained, doubled = (i.id for i in post_batch(store, "jobs", [1, 2, 3]))
     store.claim_items(config=config, max_items=4)
     release(store, "jobs", aged)
     clock.advance(20)
@@ -38,12 +38,12 @@ def test_one_pass_applies_every_timer_and_repairs_crash_leftovers(store, clock, 
     stale = state_dir(store, "jobs", "tmp") / "left.json"
     stale.write_text("{}")
     os.utime(stale, (time.time() - STALE_SECONDS - 1,) * 2)
-    fresh_pending = store.post_items(queue="jobs", payloads=["young"])[0].id
+    fresh_pending = post_batch(store, "jobs", ["young"])[0].id
     clock.now = start + config.queue_seconds + 1  # only `aged` is too old
 
     sweeper = Sweeper(store, lambda: [config])
     assert sweeper.sweep_once() == {
-        "jobs": {"repaired": 1, "failed": 1, "requeued": 1, "deleted": 2, "tmpRemoved": 1}
+        "jobs": {"promoted": 0, "repaired": 1, "failed": 1, "requeued": 1, "deleted": 2, "tmpRemoved": 1}
     }
     assert store.read_item(queue="jobs", item_id=aged).error == "timeout"
     assert states_of(store, "jobs", lapsed) == ["pending"]
@@ -55,7 +55,7 @@ def test_one_pass_applies_every_timer_and_repairs_crash_leftovers(store, clock, 
 
 
 def test_an_aged_and_lapsed_item_ends_failed_in_one_pass(store, clock, config):
-    (item,) = store.post_items(queue="jobs", payloads=[1])
+    (item,) = post_batch(store, "jobs", [1])
     store.claim_items(config=config)
     clock.advance(config.queue_seconds + 1)
     assert Sweeper(store, lambda: [config]).sweep_once() == {"jobs": {**QUIET, "failed": 1}}
@@ -65,8 +65,8 @@ def test_an_aged_and_lapsed_item_ends_failed_in_one_pass(store, clock, config):
 
 def test_only_queues_that_changed_are_reported(store, clock, config):
     quiet = QueueConfig(name="quiet")
-    store.post_items(queue="quiet", payloads=[1])
-    store.post_items(queue="jobs", payloads=[1])
+    post_batch(store, "quiet", [1])
+    post_batch(store, "jobs", [1])
     store.claim_items(config=config)
     clock.advance(config.lease_seconds + 1)
     assert Sweeper(store, lambda: [quiet, config]).sweep_once() == {"jobs": {**QUIET, "requeued": 1}}
@@ -88,7 +88,7 @@ class Heard:
 def test_what_the_sweep_requeues_and_fails_is_told_so_waiters_wake(tmp_path, clock, config):
     events = Heard()
     store = Store(tmp_path / "data", fsync=False, clock=clock, events=events)
-    first, second = (i.id for i in store.post_items(queue="jobs", payloads=[1, 2]))
+    first, second = (i.id for i in post_batch(store, "jobs", [1, 2]))
     store.claim_items(config=config)
     clock.advance(config.lease_seconds + 1)
     sweeper = Sweeper(store, lambda: [config])
@@ -103,7 +103,7 @@ def test_what_the_sweep_requeues_and_fails_is_told_so_waiters_wake(tmp_path, clo
 
 def test_one_queue_failing_does_not_stop_the_others(store, clock, config, monkeypatch, caplog):
     broken = QueueConfig(name="broken")
-    store.post_items(queue="jobs", payloads=[1])
+    post_batch(store, "jobs", [1])
     store.claim_items(config=config)
     clock.advance(config.lease_seconds + 1)
     real_sweep = store.sweep_queue
@@ -119,7 +119,7 @@ def test_one_queue_failing_does_not_stop_the_others(store, clock, config, monkey
 
 
 def test_run_passes_until_stopped_and_survives_a_failing_pass(store, clock, config):
-    store.post_items(queue="jobs", payloads=[1])
+    post_batch(store, "jobs", [1])
     store.claim_items(config=config)
     clock.advance(config.lease_seconds + 1)
     calls, reports = [], []
@@ -144,7 +144,7 @@ def test_several_sweepers_at_once_change_each_item_once(tmp_path, clock, config)
     """Two sweepers per process (threads), as if from two processes (two stores), race over the
     same lapsed items: each item is re-queued exactly once."""
     stores = [Store(tmp_path / "shared", fsync=False, clock=clock) for _ in range(2)]
-    posted = [i.id for i in stores[0].post_items(queue="jobs", payloads=list(range(300)))]
+    posted = [i.id for i in post_batch(stores[0], "jobs", list(range(300)))]
     assert len(stores[0].claim_items(config=config, max_items=300)) == 300
     clock.advance(config.lease_seconds + 1)
     changes = []
@@ -161,7 +161,7 @@ def test_several_sweepers_at_once_change_each_item_once(tmp_path, clock, config)
 
 def test_retention_deletes_a_stray_copy_with_the_done_item(store, clock, config):
     """A crash leftover must never bring a deleted item back."""
-    (item,) = store.post_items(queue="jobs", payloads=[1])
+    (item,) = post_batch(store, "jobs", [1])
     store.claim_items(config=config)
     held = (state_dir(store, "jobs", "processing") / f"{item.id}.json").read_bytes()
     finish(store, config, item.id, "r")
@@ -174,7 +174,7 @@ def test_retention_deletes_a_stray_copy_with_the_done_item(store, clock, config)
 @pytest.mark.parametrize("retain_from", ["finished", "fetched"])
 def test_the_sweep_honours_retain_from(store, clock, config, retain_from):
     config = replace(config, retain_from=retain_from)
-    (item,) = store.post_items(queue="jobs", payloads=[1])
+    (item,) = post_batch(store, "jobs", [1])
     finish(store, config, item.id, "r")
     sweeper = Sweeper(store, lambda: [config])
     clock.advance(config.retain_seconds)
@@ -191,7 +191,7 @@ def test_a_quiet_pass_never_stats_done_items_too_young_to_be_due(store, clock, c
     """A done item's retention starts no earlier than its posting time (in its name), so a pass
     does not stat the done files of items posted within the retention period."""
     config = replace(config, retain_seconds=3600)
-    posted = [i.id for i in store.post_items(queue="jobs", payloads=list(range(50)))]
+    posted = [i.id for i in post_batch(store, "jobs", list(range(50)))]
     for item_id in posted:
         finish(store, config, item_id, "r")
     clock.advance(config.retain_seconds - ID_CLOCK_MARGIN_SECONDS - 1)
@@ -213,7 +213,7 @@ def test_retention_is_on_time_for_an_item_whose_id_ran_ahead_of_the_clock(store,
     """Ids never go backwards, so after the clock steps back an id can claim a later posting
     time than the item's finishing time; retention still counts from finishing."""
     clock.advance(30)
-    (item,) = store.post_items(queue="jobs", payloads=[1])
+    (item,) = post_batch(store, "jobs", [1])
     clock.advance(-30)  # the clock is stepped back
     finish(store, config, item.id, "r")
     sweeper = Sweeper(store, lambda: [config])

@@ -2,6 +2,7 @@
 The lifecycle rules live in the store; a handler only translates."""
 
 import asyncio
+import time
 
 from .. import ids
 from ..events import hub
@@ -10,16 +11,19 @@ from ..protocol import (
     MAX_CLAIM,
     MAX_HTTP_WAIT_SECONDS,
     MAX_LEASE_SECONDS,
+    MAX_RELEASE_DELAY_SECONDS,
     RECHECK_SECONDS,
+    claimed,
     flag_param,
     integer_field,
     json_object,
     number_field,
     number_param,
+    run_at_field,
 )
 from ..runtime import get_registry, get_store, run
 from ..services import describe_queue
-from ..store import Claim, single
+from ..store import ABSENT, NewItem, Release, single
 from .answers import Answer
 from .auth import PRODUCE, WORK, authenticate, authorize
 from .openapi import DOCUMENT
@@ -28,6 +32,7 @@ from .router import Router
 
 HEALTH_TIMEOUT_SECONDS = 5.0
 POST_SHAPE = 'post {"payload": P} or {"items": [{"payload": P}, ...]}'
+ITEM_FIELDS = {"payload", "delay", "runAt"}
 
 router = Router()
 
@@ -43,14 +48,17 @@ def _clock() -> float:
     return asyncio.get_running_loop().time()
 
 
-def _payloads(body: dict) -> tuple[list, bool]:
-    """The payloads a post carries, and whether it is a batch."""
+def _new_items(body: dict) -> tuple[list[NewItem], bool]:
+    """The items a post makes, and whether it is a batch."""
     if ("payload" in body) == ("items" in body) or not isinstance(body.get("items", []), list):
         raise InvalidRequest(POST_SHAPE)
+    now = time.time()
     if "payload" in body:
-        return [body["payload"]], False
-    entries = [json_object(e, allowed={"payload"}, required={"payload"}, what="each item") for e in body["items"]]
-    return [entry["payload"] for entry in entries], True
+        json_object(body, allowed=ITEM_FIELDS, what="the body")
+        return [NewItem(body["payload"], run_at_field(body, now=now))], False
+    entries = [json_object(e, allowed=ITEM_FIELDS, required={"payload"}, what="each item") for e in body["items"]]
+    return [NewItem(entry["payload"], run_at_field(entry, now=now)) for entry in entries], True
+
 
 
 def _no_op() -> bool:
@@ -110,9 +118,9 @@ async def queue_stats(request: Request, queue: str) -> Answer:
 
 @router.add("POST", "/api/queues/{queue}/items")
 async def post_items(request: Request, queue: str) -> Answer:
-    await authorize(request, queue, PRODUCE)
-    payloads, batch = _payloads(json_object(await request.json(), allowed={"payload", "items"}))
-    items = await run(get_store().post_items, queue=queue, payloads=payloads)
+    config = await authorize(request, queue, PRODUCE)
+    new, batch = _new_items(json_object(await request.json(), allowed={*ITEM_FIELDS, "items"}))
+    items = await run(get_store().post_items, config=config, items=new)
     if batch:
         return Answer(201, {"items": [item.to_json() for item in items]})
     return Answer(201, items[0].to_json())
@@ -163,9 +171,10 @@ async def claim(request: Request, queue: str) -> Answer:
         await hub.wait_available(queue, min(remaining, RECHECK_SECONDS), since=posted)
     if items and request.gone:
         # nobody will work them: hand them to the next claimant now
-        await run(store.release_items, claims=[Claim(queue, item.id, item.claim_token) for item in items])
+        releases = [Release(config, item.id, item.claim_token, reason="socket") for item in items]
+        await run(store.release_items, releases=releases)
         items = []
-    return Answer(200, {"items": [item.to_json(payload=True) for item in items]})
+    return Answer(200, {"items": claimed(items, config.max_attempts)})
 
 
 @router.add("POST", "/api/queues/{queue}/items/{item_id}/result")
@@ -185,3 +194,36 @@ async def extend_lease(request: Request, queue: str, item_id: str) -> Answer:
     seconds = number_field(body, "seconds", low=1, high=MAX_LEASE_SECONDS)
     item = await run(get_store().extend_lease, queue=queue, item_id=item_id, seconds=seconds)
     return Answer(200, item.to_json())
+
+
+@router.add("POST", "/api/queues/{queue}/items/{item_id}/release")
+async def release_item(request: Request, queue: str, item_id: str) -> Answer:
+    """Give a processing item back, now or after `delay` seconds, with `error` kept as its
+    lastError (HTTP workers hold no claim token: the lease is theirs alone)."""
+    config = await authorize(request, queue, WORK)
+    item_id = _item_id(item_id)
+    body = json_object(await request.json(when_empty={}), allowed={"delay", "error"})
+    delay = number_field(body, "delay", low=0, high=MAX_RELEASE_DELAY_SECONDS, default=0)
+    release = Release(config, item_id, delay=delay, error=body.get("error", ABSENT))
+    item = single(await run(get_store().release_items, releases=[release]))
+    return Answer(200, item.to_json())
+
+
+@router.add("POST", "/api/queues/{queue}/items/{item_id}/retry")
+async def retry_item(request: Request, queue: str, item_id: str) -> Answer:
+    """Post an ended item again as a new item: 201 the new item, 200 the same one asked again."""
+    config = await authorize(request, queue, PRODUCE)
+    item_id = _item_id(item_id)
+    json_object(await request.json(when_empty={}), allowed=set())
+    item, made = await run(get_store().retry_item, config=config, item_id=item_id)
+    return Answer(201 if made else 200, item.to_json())
+
+
+@router.add("POST", "/api/queues/{queue}/items/{item_id}/cancel")
+async def cancel_item(request: Request, queue: str, item_id: str) -> Answer:
+    """End an item that has not ended, failed `canceled`; an ended one is answered as it is."""
+    config = await authorize(request, queue, PRODUCE)
+    item_id = _item_id(item_id)
+    json_object(await request.json(when_empty={}), allowed=set())
+    item, canceled = await run(get_store().cancel_item, config=config, item_id=item_id)
+    return Answer(200, {**item.to_json(), "canceled": canceled})

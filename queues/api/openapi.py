@@ -18,7 +18,8 @@ ID_PARAM = {
 }
 ERROR_CODES = [
     "invalid_json", "invalid_request", "unauthorized", "forbidden", "unknown_queue", "not_found",
-    "method_not_allowed", "not_held", "payload_too_large", "storage_unavailable", "busy", "internal_error",
+    "method_not_allowed", "not_held", "not_ended", "key_conflict", "payload_too_large", "storage_unavailable",
+    "busy", "internal_error",
 ]
 ERROR_TEXT = {
     400: "`invalid_json`: the body is not JSON; `invalid_request`: a field or parameter has the wrong "
@@ -28,7 +29,7 @@ ERROR_TEXT = {
     "out (answered so whether or not the queue exists).",
     404: "`unknown_queue`: no such queue (or a name that breaks the rule); `not_found`: no such item "
     "(or an id that is not one).",
-    409: "`not_held`: the item is not processing.",
+    409: "`not_held`: the item is not processing; `not_ended`: a retry of an item that has not ended.",
     413: "`payload_too_large`: the body is over TASKHOSTER_MAX_BODY_BYTES, or a payload or result over "
     "TASKHOSTER_MAX_PAYLOAD_BYTES.",
     503: "`storage_unavailable`: the data directory cannot be written, the database does not answer, or "
@@ -54,27 +55,44 @@ def _body(schema: dict, *, required: bool = True) -> dict:
     return {"required": required, "content": {"application/json": {"schema": schema}}}
 
 
+STATES = ("scheduled", "pending", "processing", "finished", "failed")
 ITEM = {
     "type": "object",
     "required": ["id", "queue", "status", "attempts", "postedAt", "claimedAt", "leaseExpiresAt", "finishedAt"],
     "properties": {
         "id": {"type": "string", "format": "uuid", "description": "UUIDv7: time-ordered."},
         "queue": {"type": "string"},
-        "status": {"type": "string", "enum": ["pending", "processing", "finished", "failed"]},
+        "status": {"type": "string", "enum": ["scheduled", "pending", "processing", "finished", "failed"]},
         "attempts": {"type": "integer", "minimum": 0, "description": "How many times it was claimed."},
         "postedAt": {**TIMESTAMP, "type": "string"},
         "claimedAt": {**TIMESTAMP, "description": "The latest claim; null before the first."},
         "leaseExpiresAt": {**TIMESTAMP, "description": "Set only while processing."},
         "finishedAt": TIMESTAMP,
         "result": {"description": "Present on finished items: any JSON value."},
-        "error": {"type": "string", "enum": ["timeout"], "description": "Present on failed items."},
+        "error": {
+            "type": "string",
+            "enum": ["timeout", "max_attempts", "canceled"],
+            "description": "Present on failed items: the failure the server declared.",
+        },
+        "runAt": {**TIMESTAMP, "type": "string", "description": "Present on an item posted or released for later."},
+        "lastError": {"description": "Present once a release gave an `error`: what it said (any JSON)."},
+        "retryOf": {"type": "string", "format": "uuid", "description": "Present on a retry: the item it retries."},
+        "retriedAs": {"type": "string", "format": "uuid", "description": "Present on a retried item: its retry."},
+        "maxAttempts": {
+            "type": ["integer", "null"],
+            "description": "In claim answers: the queue's limit on claims of an item (null: none).",
+        },
         "payload": {"description": "In claim answers, and in a read only with `?payload=1`."},
     },
+}
+SCHEDULE = {
+    "delay": {"type": "number", "minimum": 0, "maximum": 2592000, "description": "Due this many seconds from now."},
+    "runAt": {"type": "string", "format": "date-time", "description": "Due then; an explicit offset is required."},
 }
 QUEUE = {
     "type": "object",
     "required": [
-        "name", "leaseSeconds", "queueSeconds", "retainSeconds", "retainFrom", "paused", "counts",
+        "name", "leaseSeconds", "queueSeconds", "retainSeconds", "retainFrom", "paused", "maxAttempts", "counts",
         "oldestPendingAgeSeconds",
     ],
     "properties": {
@@ -84,12 +102,11 @@ QUEUE = {
         "retainSeconds": {"type": "integer", "minimum": 0, "maximum": 2592000},
         "retainFrom": {"type": "string", "enum": ["finished", "fetched"]},
         "paused": {"type": "boolean"},
+        "maxAttempts": {"type": ["integer", "null"], "minimum": 1, "maximum": 1000},
         "counts": {
             "type": "object",
-            "required": ["pending", "processing", "finished", "failed"],
-            "properties": {
-                state: {"type": "integer", "minimum": 0} for state in ("pending", "processing", "finished", "failed")
-            },
+            "required": list(STATES),
+            "properties": {state: {"type": "integer", "minimum": 0} for state in STATES},
         },
         "oldestPendingAgeSeconds": {"type": ["number", "null"], "minimum": 0},
     },
@@ -105,7 +122,7 @@ POST = {
             "type": "object",
             "required": ["payload"],
             "additionalProperties": False,
-            "properties": {"payload": {"description": "Any JSON value."}},
+            "properties": {"payload": {"description": "Any JSON value."}, **SCHEDULE},
         },
         {
             "type": "object",
@@ -120,7 +137,7 @@ POST = {
                         "type": "object",
                         "required": ["payload"],
                         "additionalProperties": False,
-                        "properties": {"payload": {}},
+                        "properties": {"payload": {}, **SCHEDULE},
                     },
                 }
             },
@@ -213,7 +230,10 @@ DOCUMENT = {
             "parameters": [QUEUE_PARAM],
             "post": {
                 "operationId": "postItems",
-                "summary": "Post one item, or a batch of 1 to 1000 (all or nothing). Produce right.",
+                "summary": (
+                    "Post one item, or a batch of 1 to 1000 (all or nothing). Produce right. An item with `delay` "
+                    "or `runAt` (not both) is scheduled: pending once due, which must be before it ages out."
+                ),
                 "requestBody": _body(_ref("Post")),
                 "responses": {
                     "201": _json(
@@ -313,6 +333,63 @@ DOCUMENT = {
                 "responses": {
                     "200": _json(_ref("Item"), "The item with its new `leaseExpiresAt`."),
                     **_errors(400, 401, 403, 404, 409, 413, 503),
+                },
+            },
+        },
+        "/api/queues/{queue}/items/{item_id}/release": {
+            "parameters": [QUEUE_PARAM, ID_PARAM],
+            "post": {
+                "operationId": "releaseItem",
+                "summary": (
+                    "Give a processing item back: pending now, or scheduled after `delay` seconds; `error` is kept "
+                    "as its `lastError`. At the queue's maxAttempts it ends failed `max_attempts`. Work right."
+                ),
+                "requestBody": _body(
+                    {
+                        "type": "object",
+                        "additionalProperties": False,
+                        "properties": {
+                            "delay": {"type": "number", "minimum": 0, "maximum": 86400, "default": 0},
+                            "error": {"description": "Any JSON value, at most the payload size limit."},
+                        },
+                    },
+                    required=False,
+                ),
+                "responses": {
+                    "200": _json(_ref("Item"), "The item as it is now."),
+                    **_errors(400, 401, 403, 404, 409, 413, 503),
+                },
+            },
+        },
+        "/api/queues/{queue}/items/{item_id}/retry": {
+            "parameters": [QUEUE_PARAM, ID_PARAM],
+            "post": {
+                "operationId": "retryItem",
+                "summary": "Post a finished or failed item again as a new item (`retryOf`). Produce right.",
+                "requestBody": _body({"type": "object", "additionalProperties": False}, required=False),
+                "responses": {
+                    "201": _json(_ref("Item"), "The new item."),
+                    "200": _json(_ref("Item"), "The new item made by an earlier retry, as it is now."),
+                    **_errors(400, 401, 403, 404, 409, 503),
+                },
+            },
+        },
+        "/api/queues/{queue}/items/{item_id}/cancel": {
+            "parameters": [QUEUE_PARAM, ID_PARAM],
+            "post": {
+                "operationId": "cancelItem",
+                "summary": (
+                    "End a scheduled, pending or processing item at once, failed `canceled` (a socket holding it "
+                    "is told). Produce right."
+                ),
+                "requestBody": _body({"type": "object", "additionalProperties": False}, required=False),
+                "responses": {
+                    "200": _json(
+                        {"allOf": [_ref("Item"), {"type": "object", "required": ["canceled"],
+                                                  "properties": {"canceled": {"type": "boolean"}}}]},
+                        "The item; `canceled` false if it had ended already, unchanged.",
+                    ),
+                    **_errors(400, 401, 403, 404, 503),
                 },
             },
         },

@@ -23,7 +23,7 @@ from pathlib import Path
 from .lean_client import LeanProducer
 
 from ..serving import DEFAULT_SERVER
-from ..store import MAX_BATCH, Store
+from ..store import MAX_BATCH, NewItem, QueueConfig, Store
 from . import load, store_costs
 from .profiling import find_py_spy, recording
 from .servers import Deployment, ServerProcess
@@ -264,7 +264,7 @@ def _big_queue_figures(settings: BenchSettings, root: Path, say: Say) -> dict[bo
 def fill(data_dir: Path, queue: str, count: int, say: Say) -> None:
     store = Store(data_dir, fsync=False)
     for start in range(0, count, MAX_BATCH):
-        store.post_items(queue=queue, payloads=[load.PAYLOAD] * min(MAX_BATCH, count - start))
+        store.post_items(config=QueueConfig(name=queue), items=[NewItem(load.PAYLOAD)] * min(MAX_BATCH, count - start))
         if start and start % 100_000 == 0:
             say(f"  {start:,} written")
 

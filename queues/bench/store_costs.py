@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from queues.store import MAX_BATCH, QueueConfig, Store
+from queues.store import MAX_BATCH, NewItem, QueueConfig, Store
 from queues.sweep import Sweeper
 
 CONFIG = QueueConfig(name="bench")
@@ -31,7 +31,7 @@ def _queue_with(pending: int) -> Iterator[Path]:
         builder.ensure_queue(CONFIG.name)
         for start in range(0, pending, MAX_BATCH):
             count = min(MAX_BATCH, pending - start)
-            builder.post_items(queue=CONFIG.name, payloads=[{"n": start + n} for n in range(count)])
+            builder.post_items(config=CONFIG, items=[NewItem({"n": start + n}) for n in range(count)])
         os.sync()  # else the first fsync measured pays for writing the whole build out
         yield Path(data_dir)
 

@@ -18,7 +18,7 @@ from ..ids import iso
 from ..models import Queue
 from ..runtime import get_registry, get_store
 from ..services import save_queue
-from ..store import Claim, Item, single
+from ..store import Item, Release, single
 from .consumers import LIVE_PATH
 from .display import STATES, bar_segments, blank_row, format_duration, format_time, queue_row
 from .snapshot import take_snapshot
@@ -146,7 +146,7 @@ def requeue_item(request, name: str, item_id: str):
     if queue is None:
         return _no_queue(request, name)
     try:
-        single(get_store().release_items(claims=[Claim(name, item_id)]))
+        single(get_store().release_items(releases=[Release(queue.config(), item_id, reason="staff")]))
     except ItemNotFound:
         return _gone(request, queue, item_id)
     except NotHeld:

@@ -19,7 +19,7 @@ from django.core.management.base import CommandError
 
 from ..bridge import ChannelBridge
 from ..runtime import get_registry, get_store
-from ..sweep import Sweeper
+from ..sweep import PROMOTE_SECONDS, Promoter, Sweeper
 from .limits import HEAD_TIMEOUT_SECONDS, MAX_HEAD_BYTES, SWEEP_STOP_SECONDS, max_connections, raise_descriptor_limit
 
 __all__ = ["DEFAULT_SERVER", "HEAD_TIMEOUT_SECONDS", "MAX_HEAD_BYTES", "SERVERS", "max_connections", "serve"]
@@ -40,25 +40,26 @@ def prepare() -> None:
         store.ensure_queue(config.name)
 
 
-def start_sweeper() -> tuple[threading.Thread, threading.Event]:
-    """The sweep loop in a thread; what it re-queues or fails wakes waiting claims and reads (the
-    store tells the hub)."""
+def start_sweeper(stop: threading.Event) -> list[threading.Thread]:
+    """The sweep loop and the promotion of due items, each in a thread, until `stop` is set;
+    what they re-queue, promote or fail wakes waiting claims and reads (the store tells the hub)."""
     registry = get_registry()
 
     def configs():
         registry.refresh()
         return registry.queues()
 
-    sweeper = Sweeper(get_store(), configs)
-    stop = threading.Event()
-    thread = threading.Thread(
-        target=sweeper.run,
-        kwargs={"interval": settings.TASKHOSTER_SWEEP_INTERVAL, "stop": stop},
-        name="sweep",
-        daemon=True,
-    )
-    thread.start()
-    return thread, stop
+    loops = [
+        ("sweep", Sweeper(get_store(), configs).run, settings.TASKHOSTER_SWEEP_INTERVAL),
+        ("promote", Promoter(get_store(), configs).run, PROMOTE_SECONDS),
+    ]
+    threads = [
+        threading.Thread(target=run, kwargs={"interval": interval, "stop": stop}, name=name, daemon=True)
+        for name, run, interval in loops
+    ]
+    for thread in threads:
+        thread.start()
+    return threads
 
 
 def background_tasks() -> Background:
@@ -74,7 +75,8 @@ def serve(*, host: str, port: int, ready: Ready, server: str = DEFAULT_SERVER) -
     run = importlib.import_module(f"{__name__}.{SERVERS[server]}").run
     connections = max_connections(raise_descriptor_limit())
     prepare()
-    sweep_thread, stop_sweep = start_sweeper()
+    stop_sweeping = threading.Event()
+    sweeping = start_sweeper(stop_sweeping)
     from taskhoster_site.asgi import application
 
     try:
@@ -82,7 +84,8 @@ def serve(*, host: str, port: int, ready: Ready, server: str = DEFAULT_SERVER) -
             application, host=host, port=port, ready=ready, background=background_tasks(), max_connections=connections
         )
     finally:
-        stop_sweep.set()
-        sweep_thread.join(SWEEP_STOP_SECONDS)
+        stop_sweeping.set()
+        for thread in sweeping:
+            thread.join(SWEEP_STOP_SECONDS)
     if not listening:
         raise CommandError(f"cannot listen on {host}:{port}")

@@ -6,24 +6,28 @@
     locks        item locks across threads and processes
     pending      this process's view of a queue's oldest pending ids
     items        one item on disk: read, write aside, move, end, claim record
+    schedule     which scheduled items are due, from marks named for when
+    requeue      giving an item back: now, later, or ended at its maxAttempts
     transitions  the Store: one public method per transition
     sweep        one pass over a queue's timers and crash leftovers
     stats        counts and listings; tallies: items ended per minute
 """
 
 from .layout import QUEUE_NAME, is_valid_queue_name
-from .records import Claim, Counts, FinishOutcome, Health, Item, QueueConfig, SweepChanges, single
+from .records import ABSENT, Counts, FinishOutcome, Health, Item, NewItem, QueueConfig, Release, SweepChanges, single
 from .transitions import MAX_BATCH, Store
 
 __all__ = [
+    "ABSENT",
     "MAX_BATCH",
     "QUEUE_NAME",
-    "Claim",
     "Counts",
     "FinishOutcome",
     "Health",
     "Item",
+    "NewItem",
     "QueueConfig",
+    "Release",
     "Store",
     "SweepChanges",
     "is_valid_queue_name",

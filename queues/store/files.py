@@ -184,6 +184,18 @@ def remove_tree(path: str) -> None:
         pass
 
 
+def remove_directory(path: str) -> bool:
+    """Remove an empty directory; False if it is missing or not empty."""
+    _before("unlink", path)
+    try:
+        os.rmdir(path)
+        return True
+    except (FileNotFoundError, OSError) as exc:
+        if isinstance(exc, FileNotFoundError) or exc.errno in (errno.ENOTEMPTY, errno.EEXIST):
+            return False
+        raise
+
+
 def remove_quietly(path: str) -> None:
     """Remove a file as a clean-up after a failure, which is what gets raised: a clean-up that
     fails too is only logged (the sweep removes what is left in tmp/ after an hour)."""

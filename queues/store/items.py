@@ -20,23 +20,27 @@ from .layout import DIRECTORIES, Layout
 from .locks import QueueLocks
 from .pending import PendingIndex
 from .records import Item, Unreadable, decode, encode, encode_claim, with_claim
+from .schedule import Schedule
 from .tallies import Tallies
 
 # A claim (and an extension) records attempts, claim time, lease and claim token in this extended
 # attribute of the processing file instead of rewriting the file. Where the file system has no
 # xattrs, a claim rewrites the file.
 CLAIM_XATTR = "user.taskhoster"
-SEARCH_ORDER = ("done", "processing", "pending")  # done first: it wins over a stray copy
+SEARCH_ORDER = ("done", "processing", "pending", "scheduled")  # done first: it wins over a stray copy
 
 log = logging.getLogger(__name__)
 
 
 class Events(Protocol):
-    """Told of items that may be claimed now, and of items that just ended."""
+    """Told of items that may be claimed now, of items that just ended, and of a processing item
+    canceled (so the socket holding it can tell its worker)."""
 
     def items_available(self, queue: str, count: int) -> None: ...
 
     def items_terminal(self, queue: str, item_ids: list[str]) -> None: ...
+
+    def item_canceled(self, queue: str, item_id: str) -> None: ...
 
 
 class NoEvents:
@@ -44,6 +48,9 @@ class NoEvents:
         pass
 
     def items_terminal(self, queue: str, item_ids: list[str]) -> None:
+        pass
+
+    def item_canceled(self, queue: str, item_id: str) -> None:
         pass
 
 
@@ -64,6 +71,7 @@ class ItemFiles:
         self.index_capacity = index_capacity
         self.claim_xattrs = hasattr(os, "setxattr")  # False once the file system refuses them
         self.tallies = Tallies(layout)
+        self.schedule = Schedule(layout)
         self._ready: set[str] = set()  # queues whose directories were made by this process
         self._locks: dict[str, QueueLocks] = {}
         self._indexes: dict[str, PendingIndex] = {}
@@ -173,38 +181,44 @@ class ItemFiles:
     def flush_states(self, queue: str, *names: str) -> None:
         self.flush(*(self.layout.directory(queue, name) for name in names))
 
-    def publish(self, queue: str, items: Sequence[Item], state: str) -> None:
-        """Write new items and move them into `state`/: all of them on disk when it returns, or
-        none of them left behind when it raises. A batch's files are flushed before any is moved
-        in, so a batch shows whole or not at all; a single item is moved in first and flushed
-        there, which on some file systems (ext4 without a journal) also flushes the directory
-        that names it, one flush fewer."""
-        if len(items) == 1:
-            self._publish_one(queue, items[0], state)
+    def publish(self, queue: str, items: Sequence[Item]) -> None:
+        """Write new items and move them in, scheduled ones (with a `run_at`) into scheduled/ and
+        the others into pending/: all of them on disk when it returns, or none of them left
+        behind when it raises. A batch's files are flushed before any is moved in, so a batch
+        shows whole or not at all, and a scheduled item's mark is on disk before the item shows;
+        a single pending item is moved in first and flushed there, which on some file systems
+        (ext4 without a journal) also flushes the directory that names it, one flush fewer."""
+        if len(items) == 1 and items[0].status == "pending":
+            self._publish_one(queue, items[0])
             return
         written: list[str] = []
+        marks: list[str] = []
         try:
             for item in items:
                 written.append(self.write_aside(queue, item))
             self.flush_files(written)
+            marks = [self.schedule.mark(queue, item.id, item.run_at) for item in items if item.status == "scheduled"]
+            if marks:
+                self.flush(*self.schedule.directories(queue, marks))
         except BaseException:
-            for path in written:
+            for path in written + marks:
                 files.remove_quietly(path)
             raise
-        moved: list[str] = []
+        moved: list[Item] = []
         try:
             for item, path in zip(items, written):
-                files.move(path, self.layout.item(queue, state, item.id))
-                moved.append(item.id)
-            self.flush_states(queue, state)
+                files.move(path, self.layout.item(queue, item.status, item.id))
+                moved.append(item)
+            self.flush_states(queue, *sorted({item.status for item in items}))
         except BaseException:
-            for path in written[len(moved) :]:
+            for path in written[len(moved) :] + marks:
                 files.remove_quietly(path)
-            for item_id in moved:
-                self._take_back(queue, state, item_id)
+            for item in moved:
+                self._take_back(queue, item.status, item.id)
             raise
 
-    def _publish_one(self, queue: str, item: Item, state: str) -> None:
+    def _publish_one(self, queue: str, item: Item) -> None:
+        state = item.status
         written = self.write_aside(queue, item)
         target = self.layout.item(queue, state, item.id)
         try:
@@ -226,12 +240,28 @@ class ItemFiles:
             for where in {state, "processing"}:
                 files.remove_quietly(self.layout.item(queue, where, item_id))
 
-    def requeue(self, queue: str, item: Item) -> Item:
-        """Move a processing item back to pending (under its lock). A rename alone: a pending
-        file's lease and claim token mean nothing, and its attempts stay for the next claim."""
-        files.move(self.layout.item(queue, "processing", item.id), self.layout.item(queue, "pending", item.id))
-        self.index(queue).push([item.id])
-        return replace(item, status="pending", lease_expires_at=None, claim_token=None)
+    def move(self, queue: str, item: Item, source: str, target: str) -> Item:
+        """Move an item from `source`/ to `target`/ as it is (under its lock): a rename alone. A
+        pending file's lease and claim token mean nothing, and its attempts stay for the next
+        claim; one moved into pending/ is in view for this process's claims."""
+        files.move(self.layout.item(queue, source, item.id), self.layout.item(queue, target, item.id))
+        if target == "pending":
+            self.index(queue).push([item.id])
+        return replace(item, status=target, lease_expires_at=None, claim_token=None)
+
+    def rewrite(self, queue: str, state: str, item: Item, *, mtime: float | None = None, durably: bool = False) -> None:
+        """Replace the item's file in `state`/ with this content (under its lock), whole: the old
+        or the new one is there at every instant. `durably`: flushed before it returns."""
+        tmp = self.write_aside(queue, item, mtime=mtime)
+        try:
+            if durably:
+                self.flush_files([tmp])
+            files.move(tmp, self.layout.item(queue, state, item.id))
+        except BaseException:
+            files.remove_quietly(tmp)
+            raise
+        if durably:
+            self.flush_states(queue, state)
 
     def record_claim(self, queue: str, item: Item) -> None:
         """Record a processing item's claim (under its lock): the lease as the file's mtime, for

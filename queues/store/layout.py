@@ -6,6 +6,7 @@
     <root>/<queue>/failed/<id>            marks of done items that failed (counts read no file)
     <root>/<queue>/fetched/<id>           marks of done items fetched once; mtime: the first fetch
     <root>/<queue>/stats/<minute>.<status>  how many items ended that minute (the file's size)
+    <root>/<queue>/schedule/<slot>/<due>.<id>  marks of scheduled items, by when they are due
     <root>/<queue>/locks/items            the queue's item locks
 
 Every piece is checked before it reaches the file system: a queue name, a state, an id or a mark
@@ -20,10 +21,11 @@ from .. import ids
 from ..exceptions import UnsafePath
 
 QUEUE_NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,63}")
-ITEM_STATES = ("pending", "processing", "done")
+ITEM_STATES = ("scheduled", "pending", "processing", "done")
 STATES = ("tmp", *ITEM_STATES)
 MARKS = ("failed", "fetched")
-DIRECTORIES = (*STATES, *MARKS, "quarantine", "stats", "locks")
+DIRECTORIES = (*STATES, *MARKS, "quarantine", "stats", "locks", "schedule")
+SLOT_SECONDS = 10  # a schedule slot: the marks of items due within the same ten seconds
 ITEM_SUFFIX = ".json"
 
 
@@ -81,6 +83,16 @@ class Layout:
         if "/" in entry or entry in ("", ".", ".."):
             raise UnsafePath(f"bad name {entry[:80]!r}")
         return f"{self.directory(queue, name)}/{entry}"
+
+    def slot(self, queue: str, slot: int) -> str:
+        """The directory of the schedule marks due within one slot."""
+        return f"{self.queue_dir(queue)}/schedule/{int(slot)}"
+
+    def due_mark(self, queue: str, due_ms: int, item_id: str) -> str:
+        """A scheduled item's mark: its name says when the item is due, and which it is."""
+        if not ids.is_valid_id(item_id):
+            raise UnsafePath(f"bad id {str(item_id)[:80]!r}")
+        return f"{self.slot(queue, due_ms // 1000 // SLOT_SECONDS)}/{int(due_ms):013d}.{item_id}"
 
     def tally(self, queue: str, minute: int, status: str) -> str:
         if status not in ("finished", "failed"):

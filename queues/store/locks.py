@@ -3,8 +3,9 @@ number of threads and processes sharing the data directory take turns per item.
 
 Each queue has one lock file; an item maps to one byte of it (striped by id). A thread lock per
 stripe excludes the threads of this process (POSIX record locks are per process), a record lock
-on the byte excludes other processes, and the kernel drops it if the process dies. A lock is
-held for a few file operations at most, never while waiting for the disk to flush.
+on the byte excludes other processes, and the kernel drops it if the process dies. A thread may
+take a stripe it holds again (an item's transition that makes another item, such as a retry):
+the record lock is taken by the outermost hold and dropped by it.
 """
 
 import errno
@@ -31,7 +32,8 @@ class QueueLocks:
     def __init__(self, fd: int, key: tuple[int, int]):
         self._fd = fd
         self._key = key
-        self._threads = [threading.Lock() for _ in range(STRIPES)]
+        self._threads = [threading.RLock() for _ in range(STRIPES)]
+        self._depth = [0] * STRIPES  # holds of each stripe by the thread holding it
 
     @classmethod
     def for_file(cls, path: str) -> "QueueLocks":
@@ -53,11 +55,15 @@ class QueueLocks:
     def hold(self, item_id: str) -> Iterator[None]:
         stripe = int(item_id[-2:], 16) % STRIPES  # the same in every process, unlike hash()
         with self._threads[stripe]:
-            _lock_byte(self._fd, stripe)
+            if not self._depth[stripe]:
+                _lock_byte(self._fd, stripe)
+            self._depth[stripe] += 1
             try:
                 yield
             finally:
-                fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, stripe)
+                self._depth[stripe] -= 1
+                if not self._depth[stripe]:
+                    fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, stripe)
 
     def close(self) -> None:
         with self._open_lock:
@@ -68,7 +74,8 @@ class QueueLocks:
 def _lock_byte(fd: int, offset: int) -> None:
     """Wait for the record lock on one byte. The kernel's deadlock check counts record locks per
     process, so threads of two processes each holding one stripe and waiting for the other's are
-    refused with EDEADLK; no thread holds two stripes, so it is no deadlock: try again."""
+    refused with EDEADLK; a thread holds a second stripe only for an item made a moment ago, that
+nobody else waits for, so it is no deadlock: try again."""
     while True:
         try:
             fcntl.lockf(fd, fcntl.LOCK_EX, 1, offset)

@@ -14,6 +14,18 @@ from typing import Any
 from .. import ids
 
 TERMINAL = ("finished", "failed")
+STATUSES = ("scheduled", "pending", "processing", *TERMINAL)
+SERVER_FAILURES = ("timeout", "max_attempts", "canceled")  # the errors the server declares
+
+
+class _Absent:
+    """A field that was never given (unlike null, which a client may give on purpose)."""
+
+    def __repr__(self) -> str:
+        return "ABSENT"
+
+
+ABSENT = _Absent()
 
 
 class Unreadable(ValueError):
@@ -30,6 +42,7 @@ class QueueConfig:
     retain_seconds: int = 3600
     retain_from: str = "finished"
     paused: bool = False
+    max_attempts: int | None = None  # None: no limit
 
 
 @dataclass(frozen=True)
@@ -45,6 +58,11 @@ class Item:
     result: Any = None
     error: str | None = None
     claim_token: str | None = field(default=None, repr=False)
+    run_at: float | None = None  # when a scheduled item comes due (kept once it did)
+    last_error: Any = ABSENT  # what the last release said went wrong
+    retry_of: str | None = None
+    retried_as: str | None = None
+    key: str | None = None  # its idempotency key
 
     @property
     def posted_at(self) -> float:
@@ -70,18 +88,41 @@ class Item:
             data["result"] = self.result
         if self.status == "failed":
             data["error"] = self.error
+        # what only the features beyond the seed give an item: shown only when used
+        if self.run_at is not None:
+            data["runAt"] = ids.iso(self.run_at)
+        if self.last_error is not ABSENT:
+            data["lastError"] = self.last_error
+        for name, value in (("retryOf", self.retry_of), ("retriedAs", self.retried_as), ("key", self.key)):
+            if value is not None:
+                data[name] = value
         if payload:
             data["payload"] = self.payload
         return data
 
 
 @dataclass(frozen=True)
-class Claim:
-    """An item as one claim holds it; `claim_token` None stands for any holder (staff)."""
+class NewItem:
+    """An item to post: its payload, when it is due (None: now), and its idempotency key."""
 
-    queue: str
+    payload: Any
+    run_at: float | None = None
+    key: str | None = None
+
+
+@dataclass(frozen=True)
+class Release:
+    """An item given back for another try: by the claim holding it (`claim_token`; None stands
+    for any holder), after `delay` seconds, with `error` kept as its lastError. `reason` says who
+    gives it back: "release" (a worker), "socket" (its socket closed), "lease" (its lease
+    lapsed), "staff", or "shutdown" (the server stops: never ends an item for its attempts)."""
+
+    config: "QueueConfig"
     item_id: str
     claim_token: str | None = None
+    delay: float = 0.0
+    error: Any = ABSENT
+    reason: str = "release"
 
 
 @dataclass(frozen=True)
@@ -93,6 +134,7 @@ class FinishOutcome:
 
 @dataclass(frozen=True)
 class Counts:
+    scheduled: int
     pending: int
     processing: int
     finished: int
@@ -109,6 +151,7 @@ class SweepChanges:
     requeued: list[str]
     deleted: list[str]
     tmp_removed: int
+    promoted: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -158,7 +201,7 @@ def decode(raw: bytes, *, state: str, queue: str, item_id: str) -> Item:
     if record.get("id") != item_id or record.get("queue") != queue:
         raise Unreadable("its id or queue does not match the file's place")
     status = record.get("status") if state == "done" else state
-    if status not in ("pending", "processing", *TERMINAL):
+    if status not in STATUSES:
         raise Unreadable(f"bad status {status!r}")
     processing = state == "processing"
     return Item(
@@ -174,6 +217,11 @@ def decode(raw: bytes, *, state: str, queue: str, item_id: str) -> Item:
         result=record.get("result"),
         error=_text(record.get("error")) if status == "failed" else None,
         claim_token=_text(record.get("claimToken")) if processing else None,
+        run_at=_moment(record.get("runAt")),
+        last_error=record.get("lastError", ABSENT),
+        retry_of=_id(record.get("retryOf")),
+        retried_as=_id(record.get("retriedAs")),
+        key=_text(record.get("key")),
     )
 
 
@@ -207,8 +255,13 @@ def ended(item: Item, *, status: str, at: float, result: Any = None, error: str 
     )
 
 
+def failed(item: Item, error: str, now: float) -> Item:
+    """The item failed by the server: `error` is one of SERVER_FAILURES."""
+    return ended(item, status="failed", at=now, error=error)
+
+
 def timed_out(item: Item, now: float) -> Item:
-    return ended(item, status="failed", at=now, error="timeout")
+    return failed(item, "timeout", now)
 
 
 def _count(value: Any) -> int:
@@ -226,6 +279,12 @@ def _moment(value: Any) -> float | None:
         return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
     except ValueError:
         raise Unreadable(f"bad time {value[:40]!r}") from None
+
+
+def _id(value: Any) -> str | None:
+    if value is not None and not ids.is_valid_id(value):
+        raise Unreadable(f"bad id {value!r}")
+    return value
 
 
 def _text(value: Any) -> str | None:

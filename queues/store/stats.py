@@ -18,6 +18,7 @@ def _ids_in(layout: Layout, queue: str, state: str) -> list[str]:
 
 
 def count_items(layout: Layout, queue: str) -> Counts:
+    scheduled = len(files.names(layout.directory(queue, "scheduled")))
     pending = _ids_in(layout, queue, "pending")
     processing = _ids_in(layout, queue, "processing")
     done = _ids_in(layout, queue, "done")
@@ -26,6 +27,7 @@ def count_items(layout: Layout, queue: str) -> Counts:
     if oldest is not None and not ids.is_valid_id(oldest):  # a stray name: the sweep moves it
         oldest = min((i for i in pending if ids.is_valid_id(i)), default=None)
     return Counts(
+        scheduled=scheduled,
         pending=len(pending),
         processing=len(processing),
         finished=len(done) - failed,

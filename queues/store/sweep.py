@@ -16,10 +16,13 @@ import time
 from .. import ids
 from . import files
 from .items import ItemFiles
-from .layout import ITEM_STATES, MARKS, item_id_of
+from .layout import MARKS, item_id_of
 from .records import QueueConfig, SweepChanges, timed_out
+from .requeue import give_back
 
 STALE_SECONDS = 3600  # tmp/ files, tallies and stray marks older than this are leftovers
+WATCHED = ("pending", "processing", "done")
+KEEP_FIRST = ("done", "pending", "scheduled", "processing")  # of two copies a crash left, the one kept
 ID_CLOCK_MARGIN_SECONDS = 60  # how far an id's time may run ahead of the clock that ends the item
 _CHUNK = 10_000
 
@@ -29,7 +32,9 @@ log = logging.getLogger(__name__)
 def sweep_queue(items: ItemFiles, config: QueueConfig) -> SweepChanges:
     queue = config.name
     items.ensure_queue(queue)
-    listing = {state: files.names(items.layout.directory(queue, state)) for state in ITEM_STATES}
+    # not scheduled/: scheduled items come due through their marks (see schedule), and a pass
+    # must cost the same however many wait
+    listing = {state: files.names(items.layout.directory(queue, state)) for state in WATCHED}
     repaired = _repair(items, queue, listing)
     # failing first: an item both aged and lapsed ends failed, not re-queued
     failed = _fail_aged(items, config, listing["pending"] + listing["processing"])
@@ -53,7 +58,7 @@ def _repair(items: ItemFiles, queue: str, listing: dict[str, list[str]]) -> list
         if item_id is None:
             continue
         with items.lock(queue, item_id):
-            present = [s for s in ("done", "pending", "processing") if files.exists(items.layout.item(queue, s, item_id))]
+            present = [s for s in KEEP_FIRST if files.exists(items.layout.item(queue, s, item_id))]
             for state in present[1:]:
                 files.remove(items.layout.item(queue, state, item_id))
         if len(present) > 1:
@@ -101,7 +106,8 @@ def _requeue_lapsed(items: ItemFiles, config: QueueConfig, names: list[str]) -> 
             if now - item.posted_at > config.queue_seconds:
                 items.end(queue, "processing", timed_out(item, now))
                 continue
-            items.requeue(queue, item)
+            if give_back(items, config, item, now=now, reason="lease").status == "failed":
+                continue  # it had its maxAttempts
         requeued.append(item_id)
     return requeued
 
@@ -125,8 +131,8 @@ def _delete_expired(items: ItemFiles, config: QueueConfig, done: list[str]) -> l
     for item_id in due:
         with items.lock(queue, item_id):
             # a copy a crash left in another state goes first, so the item never comes back
-            files.remove(layout.item(queue, "pending", item_id))
-            files.remove(layout.item(queue, "processing", item_id))
+            for state in ("pending", "processing", "scheduled"):
+                files.remove(layout.item(queue, state, item_id))
             if not files.remove(layout.item(queue, "done", item_id)):
                 continue  # another sweeper was first
             for mark in MARKS:

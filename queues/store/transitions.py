@@ -22,12 +22,36 @@ from pathlib import Path
 from typing import Any
 
 from .. import ids
-from ..exceptions import InvalidRequest, ItemNotFound, NotHeld, PayloadTooLarge, StorageUnavailable, TaskhosterError, UnknownQueue
+from ..exceptions import (
+    InvalidRequest,
+    ItemNotFound,
+    NotEnded,
+    NotHeld,
+    PayloadTooLarge,
+    StorageUnavailable,
+    TaskhosterError,
+    UnknownQueue,
+)
 from . import files, stats, sweep
 from .items import Events, ItemFiles, NoEvents, done_directories
 from .layout import Layout, is_valid_queue_name
 from .pending import CAPACITY
-from .records import Claim, Counts, FinishOutcome, Health, Item, QueueConfig, SweepChanges, ended, json_size, timed_out
+from .records import (
+    ABSENT,
+    Counts,
+    FinishOutcome,
+    Health,
+    Item,
+    NewItem,
+    QueueConfig,
+    Release,
+    SweepChanges,
+    ended,
+    failed,
+    json_size,
+    timed_out,
+)
+from .requeue import give_back
 
 MAX_BATCH = 1000
 DEFAULT_MIN_FREE_BYTES = 64 << 20
@@ -121,21 +145,35 @@ class Store:
 
     # ---- transitions ------------------------------------------------------------------------
 
-    def post_items(self, *, queue: str, payloads: list[Any]) -> list[Item]:
-        """Post a batch, all or nothing; returns once it would survive a power cut."""
-        if not isinstance(payloads, list) or not 1 <= len(payloads) <= MAX_BATCH:
+    def post_items(self, *, config: QueueConfig, items: list[NewItem]) -> list[Item]:
+        """Post a batch, all or nothing; returns once it would survive a power cut. An item with
+        a `run_at` still to come is scheduled; it must come due before its queue timeout."""
+        queue = config.name
+        if not isinstance(items, list) or not 1 <= len(items) <= MAX_BATCH:
             raise InvalidRequest(f"a batch holds 1 to {MAX_BATCH} items")
-        for payload in payloads:
-            self._check_size(payload, "payload")
+        for new in items:
+            self._check_size(new.payload, "payload")
+        now = self.clock()
+        self._check_schedule(config, [new.run_at for new in items if new.run_at is not None], now)
         self.ensure_queue(queue)
         with self._storage_errors():
             self._check_room()
-            new_ids = self._ids.new_ids(len(payloads), self.clock())
-            items = [Item(id=i, queue=queue, status="pending", payload=p) for i, p in zip(new_ids, payloads)]
-            self._items.publish(queue, items, "pending")
-        self._items.index(queue).push(new_ids)
-        self._items.events.items_available(queue, len(items))
-        return items
+            new_ids = self._ids.new_ids(len(items), now)
+            made = [_made(item_id, queue, new, now) for item_id, new in zip(new_ids, items)]
+            self._items.publish(queue, made)
+        pending = [item.id for item in made if item.status == "pending"]
+        if pending:
+            self._items.index(queue).push(pending)
+            self._items.events.items_available(queue, len(pending))
+        return made
+
+    @staticmethod
+    def _check_schedule(config: QueueConfig, run_ats: list[float], now: float) -> None:
+        # an id's time is its posting time, which is `now` give or take the id maker's millisecond
+        if any(run_at >= now + config.queue_seconds for run_at in run_ats):
+            raise InvalidRequest(
+                f"runAt must come before the item ages out: within queueSeconds ({config.queue_seconds} s) of the post"
+            )
 
     def _check_room(self) -> None:
         free, total = files.free_and_total_bytes(self._items.layout.root)
@@ -248,10 +286,7 @@ class Store:
         """What this result does to the item: nothing if it ended already (the outcome), else
         ends it, finished with the result or failed if past its queue timeout. Call under the
         item's lock."""
-        found = self._items.find(config.name, item_id)
-        if found is None:
-            raise ItemNotFound(f"no item {item_id} in queue {config.name}")
-        state, item = found
+        state, item = self._found(config.name, item_id)
         if state == "done":
             return FinishOutcome(item_id, False, item.status)
         now = self.clock()
@@ -309,22 +344,33 @@ class Store:
             return FinishOutcome(item_id, False, self._items.done_status(queue, item_id))
         return None
 
-    def release_items(self, *, claims: list[Claim]) -> list[Item | TaskhosterError]:
-        """Put processing items back to pending now. A claim token given must still hold its
-        item, else NotHeld. Each claim's outcome in order: the item as it is now, or the error."""
+    def release_items(self, *, releases: list[Release]) -> list[Item | TaskhosterError]:
+        """Give processing items back (see `requeue`): to pending now, or scheduled after a delay,
+        or ended failed `max_attempts` at the queue's limit. A claim token given must still hold
+        its item, else NotHeld. Each release's outcome in order: the item as it is now, or the
+        error."""
         outcomes: list[Item | TaskhosterError] = []
         requeued: Counter[str] = Counter()
-        for claim in claims:
+        for release in releases:
+            queue = release.config.name
             try:
-                self._check_item_id(claim.queue, claim.item_id)
-                with self._storage_errors(), self._items.lock(claim.queue, claim.item_id):
-                    item = self._held(claim.queue, claim.item_id, claim.claim_token)
-                    outcomes.append(self._items.requeue(claim.queue, item))
-                requeued[claim.queue] += 1
+                self._check_item_id(queue, release.item_id)
+                if release.error is not ABSENT:
+                    self._check_size(release.error, "error")
+                with self._storage_errors(), self._items.lock(queue, release.item_id):
+                    item = self._held(queue, release.item_id, release.claim_token)
+                    back = give_back(
+                        self._items, release.config, item, now=self.clock(),
+                        delay=release.delay, error=release.error, reason=release.reason,
+                    )
             except TaskhosterError as error:
                 outcomes.append(error)
+                continue
+            outcomes.append(back)
+            requeued[queue] += back.status == "pending"
         for queue, count in requeued.items():
-            self._items.events.items_available(queue, count)
+            if count:
+                self._items.events.items_available(queue, count)
         return outcomes
 
     def extend_lease(self, *, queue: str, item_id: str, seconds: float, claim_token: str | None = None) -> Item:
@@ -338,13 +384,97 @@ class Store:
             return item
 
     def _held(self, queue: str, item_id: str, claim_token: str | None) -> Item:
-        found = self._items.find(queue, item_id)
-        if found is None:
-            raise ItemNotFound(f"no item {item_id} in queue {queue}")
-        state, item = found
+        state, item = self._found(queue, item_id)
         if state != "processing" or (claim_token is not None and item.claim_token != claim_token):
             raise NotHeld(f"item {item_id} is {item.status}, not held")
         return item
+
+    def retry_item(self, *, config: QueueConfig, item_id: str) -> tuple[Item, bool]:
+        """Post an ended item again as a new item (same payload, `retryOf` the old id), and
+        record `retriedAs` on the old one; asked again, the same new item as it is now. Whether
+        it was made now. NotEnded for an item that has not ended."""
+        queue = config.name
+        self._check_item_id(queue, item_id)
+        with self._storage_errors(), self._items.lock(queue, item_id):
+            state, old = self._found(queue, item_id)
+            if state != "done":
+                raise NotEnded(f"item {item_id} is {old.status}: only a finished or failed item can be retried")
+            if old.retried_as is not None:
+                found = self._items.find(queue, old.retried_as)
+                if found is not None:
+                    return found[1], False
+                new_id = old.retried_as  # recorded, then the new item was lost to a crash: made now
+            else:
+                (new_id,) = self._ids.new_ids(1, self.clock())
+                # recorded first, so a crash before the new item is made cannot make two of them
+                self._items.rewrite(queue, "done", replace(old, retried_as=new_id), mtime=old.finished_at, durably=True)
+            self.ensure_queue(queue)
+            new = Item(id=new_id, queue=queue, status="pending", payload=old.payload, retry_of=item_id)
+            self._items.publish(queue, [new])
+        self._items.index(queue).push([new_id])
+        self._items.events.items_available(queue, 1)
+        return new, True
+
+    def cancel_item(self, *, config: QueueConfig, item_id: str) -> tuple[Item, bool]:
+        """End a scheduled, pending or processing item at once, failed `canceled`; the item, and
+        whether it was canceled now (an item that had ended is left as it is)."""
+        queue = config.name
+        self._check_item_id(queue, item_id)
+        with self._storage_errors(), self._items.lock(queue, item_id):
+            state, item = self._found(queue, item_id)
+            if state == "done":
+                return item, False
+            done = failed(item, "canceled", self.clock())
+            self._items.end(queue, state, done)
+        if state == "processing":
+            self._items.events.item_canceled(queue, item_id)
+        return done, True
+
+    def promote_due(self, *, config: QueueConfig) -> list[str]:
+        """Move the scheduled items that came due to pending (those past their queue timeout are
+        failed instead); the ids moved. Looks only at what came due since the last look."""
+        queue, now = config.name, self.clock()
+        self.ensure_queue(queue)
+        promoted = []
+        with self._storage_errors():
+            due = self._items.schedule.due(queue, now)
+            for mark in due.marks:
+                with self._items.lock(queue, mark.item_id):
+                    if self._promote(config, mark.item_id, now):
+                        promoted.append(mark.item_id)
+                files.remove(mark.path)
+            self._items.schedule.passed(due)
+        if promoted:
+            self._items.index(queue).push(promoted)
+            self._items.events.items_available(queue, len(promoted))
+        return promoted
+
+    def _promote(self, config: QueueConfig, item_id: str, now: float) -> bool:
+        """Promote one scheduled item whose mark came due (under its lock); whether it went to
+        pending."""
+        queue, layout = config.name, self._items.layout
+        item = self._items.read(queue, "scheduled", item_id)
+        if item is None:
+            return False  # ended, or moved by another process: its mark only remains
+        if files.exists(layout.item(queue, "done", item_id)):
+            files.remove(layout.item(queue, "scheduled", item_id))  # a copy a crash left: done wins
+            return False
+        if now - item.posted_at > config.queue_seconds:
+            self._items.end(queue, "scheduled", timed_out(item, now))
+            return False
+        if item.run_at is not None and item.run_at > now:
+            # marked for its queue timeout, which was raised since: due at its run_at again
+            mark = self._items.schedule.mark(queue, item_id, item.run_at)
+            self._items.flush(*self._items.schedule.directories(queue, [mark]))
+            return False
+        files.move(layout.item(queue, "scheduled", item_id), layout.item(queue, "pending", item_id))
+        return True
+
+    def _found(self, queue: str, item_id: str) -> tuple[str, Item]:
+        found = self._items.find(queue, item_id)
+        if found is None:
+            raise ItemNotFound(f"no item {item_id} in queue {queue}")
+        return found
 
     def read_item(self, *, queue: str, item_id: str, fetch: bool = False) -> Item:
         """Read one item. With `fetch`, a done item is marked fetched the first time: under
@@ -379,9 +509,10 @@ class Store:
     # ---- the sweep, counts and listings -----------------------------------------------------
 
     def sweep_queue(self, *, config: QueueConfig) -> SweepChanges:
-        """One sweep pass over a queue (see `sweep`)."""
+        """One sweep pass over a queue (see `sweep`), scheduled items that came due promoted."""
+        promoted = self.promote_due(config=config)
         with self._storage_errors():
-            return sweep.sweep_queue(self._items, config)
+            return replace(sweep.sweep_queue(self._items, config), promoted=promoted)
 
     def count_items(self, *, queue: str) -> Counts:
         with self._storage_errors():
@@ -426,6 +557,13 @@ class Store:
                 raise
             raise StorageUnavailable(f"the data directory cannot be written: {exc.strerror or exc}") from exc
 
+
+
+def _made(item_id: str, queue: str, new: NewItem, now: float) -> Item:
+    """The item a post makes: scheduled if its run_at is still to come (a past one means now)."""
+    if new.run_at is not None and new.run_at > now:
+        return Item(id=item_id, queue=queue, status="scheduled", payload=new.payload, run_at=new.run_at, key=new.key)
+    return Item(id=item_id, queue=queue, status="pending", payload=new.payload, key=new.key)
 
 
 def _move_back(source: str, target: str) -> None:

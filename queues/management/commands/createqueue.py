@@ -1,3 +1,4 @@
+import argparse
 import json
 import time
 
@@ -9,6 +10,19 @@ from queues.runtime import get_store
 from queues.services import SETTING_FIELDS, describe_queue, save_queue, validation_messages
 
 OPTION_NAMES = {"name": "name", **{field: "--" + field.replace("_", "-") for field in SETTING_FIELDS}}
+
+
+UNSET = object()
+
+
+def _max_attempts(text: str):
+    """`none` (no limit) or a whole number, for argparse; its range is the model's to check."""
+    if text.lower() == "none":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number or 'none', not {text!r}") from None
 
 
 class Command(BaseCommand):
@@ -23,9 +37,13 @@ class Command(BaseCommand):
         paused = parser.add_mutually_exclusive_group()
         paused.add_argument("--paused", dest="paused", action="store_true", default=None)
         paused.add_argument("--unpaused", dest="paused", action="store_false")
+        parser.add_argument("--max-attempts", type=_max_attempts, default=UNSET, metavar="N|none",
+                            help="how often an item may be handed out, 1 to 1000; none: no limit (the default)")
 
     def handle(self, *args, name, **options):
-        changes = {field: options[field] for field in SETTING_FIELDS if options.get(field) is not None}
+        changes = {field: options[field] for field in SETTING_FIELDS if options.get(field) not in (None, UNSET)}
+        if options["max_attempts"] is None:  # `none` given: no limit
+            changes["max_attempts"] = None
         try:
             queue = save_queue(name, **changes)
         except ValidationError as exc:

@@ -1,0 +1,43 @@
+"""Giving an item back for another try: to pending now, or to scheduled with a delay, with what
+went wrong kept as its lastError; or, once it had its queue's maxAttempts, ended failed
+`max_attempts` instead. Every re-queue goes through here: a worker's release, a socket closed,
+a lapsed lease, staff. Only a server that stops gives items back without counting their tries."""
+
+from dataclasses import replace
+from typing import Any
+
+from .items import ItemFiles
+from .records import ABSENT, Item, QueueConfig, failed
+
+NEVER_ENDS = ("shutdown",)  # reasons that never end an item for its attempts
+
+
+def give_back(
+    items: ItemFiles,
+    config: QueueConfig,
+    item: Item,
+    *,
+    now: float,
+    delay: float = 0.0,
+    error: Any = ABSENT,
+    reason: str,
+) -> Item:
+    """Give back a processing item (under its lock); the item as it is now."""
+    queue = config.name
+    if error is not ABSENT:
+        item = replace(item, last_error=error)
+    if config.max_attempts is not None and item.attempts >= config.max_attempts and reason not in NEVER_ENDS:
+        done = failed(item, "max_attempts", now)
+        items.end(queue, "processing", done)
+        return done
+    if delay <= 0 and error is ABSENT:
+        return items.move(queue, item, "processing", "pending")
+    # the content changes: rewritten where it is, then moved, so it is never in two states
+    target = "scheduled" if delay > 0 else "pending"
+    back = replace(item, status=target, lease_expires_at=None, claim_token=None, run_at=now + delay if delay > 0 else item.run_at)
+    if target == "scheduled":
+        # due at its run_at, or when it ages out if that comes first (it fails then)
+        due = min(back.run_at, back.posted_at + config.queue_seconds)
+        items.flush(*items.schedule.directories(queue, [items.schedule.mark(queue, back.id, due)]))
+    items.rewrite(queue, "processing", back)
+    return items.move(queue, back, "processing", target)

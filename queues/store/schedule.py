@@ -1,0 +1,93 @@
+"""Which scheduled items are due. Each scheduled item has a mark in `schedule/<slot>/`, named for
+when it is due (milliseconds) and for its id; a slot holds the marks of SLOT_SECONDS. A look for
+what is due lists only the slots that began since the last look ended (and the current one
+again), so it costs the same however many items wait for later. The slots that exist are listed
+when a process first looks at a queue and every RELIST_SECONDS after, for marks a look may have
+passed by (made by a process whose clock is behind, or whose item could not be moved then).
+
+A mark is made, and flushed, before its item shows in scheduled/, so no scheduled item is ever
+without one; a mark whose item is no longer scheduled (it ended, or another process moved it) is
+simply removed when it comes due."""
+
+import threading
+import time
+from dataclasses import dataclass
+
+from .. import ids
+from . import files
+from .layout import SLOT_SECONDS, Layout
+
+RELIST_SECONDS = 60.0
+
+
+@dataclass(frozen=True)
+class DueMark:
+    due: float
+    item_id: str
+    path: str
+
+
+@dataclass(frozen=True)
+class Due:
+    marks: list[DueMark]  # soonest first
+    past_slots: list[str]  # the slots before the current one that were looked at: empty once handled
+
+
+class Schedule:
+    def __init__(self, layout: Layout):
+        self.layout = layout
+        self._next_slot: dict[str, int] = {}  # queue -> the first slot not yet looked at for good
+        self._listed_at: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def mark(self, queue: str, item_id: str, due: float) -> str:
+        """Make the item's mark, not yet flushed (see `flush_marks`); its path."""
+        path = self.layout.due_mark(queue, int(due * 1000), item_id)
+        try:
+            files.write_new(path, b"")
+        except FileExistsError:
+            pass
+        return path
+
+    def directories(self, queue: str, marks: list[str]) -> list[str]:
+        """What to flush so that these marks survive a power cut: their slots, and schedule/,
+        which names the slots."""
+        return sorted({path.rsplit("/", 1)[0] for path in marks}) + [self.layout.directory(queue, "schedule")]
+
+    def due(self, queue: str, now: float) -> Due:
+        """The marks due by `now`. The slots before the current one are looked at for good: once
+        their marks are handled, `passed` removes them."""
+        current = int(now) // SLOT_SECONDS
+        with self._lock:
+            start = self._next_slot.get(queue)
+            relist = start is None or time.monotonic() - self._listed_at.get(queue, 0.0) > RELIST_SECONDS
+            self._next_slot[queue] = current
+            if relist:
+                self._listed_at[queue] = time.monotonic()
+        slots = set(range(start, current + 1)) if start is not None else set()
+        if relist:
+            slots |= {int(name) for name in files.names(self.layout.directory(queue, "schedule"))
+                      if name.isdigit() and int(name) <= current}
+        marks = []
+        for slot in sorted(slots):
+            directory = self.layout.slot(queue, slot)
+            for name in files.names(directory):
+                mark = _parse(name, f"{directory}/{name}")
+                if mark is not None and mark.due <= now:
+                    marks.append(mark)
+        past = [self.layout.slot(queue, slot) for slot in sorted(slots) if slot < current]
+        return Due(sorted(marks, key=lambda mark: mark.due), past)
+
+    @staticmethod
+    def passed(due: Due) -> None:
+        """Remove the past slots that hold no mark any more (one whose mark could not be handled
+        stays, for the next relisting)."""
+        for directory in due.past_slots:
+            files.remove_directory(directory)
+
+
+def _parse(name: str, path: str) -> DueMark | None:
+    due, _, item_id = name.partition(".")
+    if not (due.isdigit() and ids.is_valid_id(item_id)):
+        return None
+    return DueMark(int(due) / 1000, item_id, path)

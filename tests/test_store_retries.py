@@ -1,0 +1,258 @@
+"""Beyond the seed, in the store: scheduled items and their promotion, releases with a delay and
+an error, maxAttempts on every re-queue path, retries and cancels, with the injected clock."""
+
+import os
+from dataclasses import replace
+
+import pytest
+
+from queues import ids
+from queues.exceptions import InvalidRequest, ItemNotFound, NotEnded, NotHeld
+from queues.store import ABSENT, NewItem, QueueConfig, Release, Store
+from queues.store.layout import SLOT_SECONDS
+from store_support import Q, claim_one, files_in, queue_dir, states_of
+from storekit import finish, release
+
+
+def schedule(store, config, *run_ats, payload="p") -> list[str]:
+    return [item.id for item in store.post_items(config=config, items=[NewItem(payload, run_at=t) for t in run_ats])]
+
+
+# ---- scheduled items ---------------------------------------------------------------------------
+
+
+def test_a_post_for_later_is_scheduled_and_comes_due_at_its_run_at(store, clock, config):
+    (item_id,) = schedule(store, config, clock.now + 30)
+    item = store.read_item(queue=Q, item_id=item_id)
+    assert (item.status, item.run_at, states_of(store, item_id)) == ("scheduled", clock.now + 30, ["scheduled"])
+    assert item.to_json()["runAt"] == ids.iso(clock.now + 30)
+    assert store.claim_items(config=config, max_items=5) == []  # a claim never returns a scheduled item
+    assert store.count_items(queue=Q).scheduled == 1
+    clock.advance(29.9)
+    assert store.promote_due(config=config) == []  # never before its runAt
+    clock.advance(0.1)
+    assert store.promote_due(config=config) == [item_id]
+    assert states_of(store, item_id) == ["pending"]
+    assert claim_one(store, config).id == item_id
+    clock.advance(SLOT_SECONDS)
+    store.promote_due(config=config)
+    assert files_in(store, "schedule") == []  # its slot is gone once it passed
+
+
+def test_a_run_at_in_the_past_or_now_posts_a_pending_item(store, clock, config):
+    past, now = schedule(store, config, clock.now - 5, clock.now)
+    assert states_of(store, past) == states_of(store, now) == ["pending"]
+    assert "runAt" not in store.read_item(queue=Q, item_id=past).to_json()
+
+
+def test_a_run_at_past_the_queue_timeout_is_refused_and_nothing_is_stored(store, clock, config):
+    with pytest.raises(InvalidRequest, match="queueSeconds"):
+        schedule(store, config, clock.now + 1, clock.now + config.queue_seconds)
+    assert files_in(store, "scheduled") == files_in(store, "pending") == [] and files_in(store, "schedule") == []
+
+
+def test_due_items_come_out_oldest_first_and_a_batch_may_mix(store, clock, config):
+    later, now_, sooner = schedule(store, config, clock.now + 20, None, clock.now + 10)
+    assert states_of(store, now_) == ["pending"]
+    clock.advance(25)
+    assert store.promote_due(config=config) == [sooner, later]
+    assert [item.id for item in store.claim_items(config=config, max_items=5)] == [later, now_, sooner]  # by id
+
+
+def test_another_process_and_a_restarted_one_promote_what_this_one_scheduled(store, clock, config):
+    (item_id,) = schedule(store, config, clock.now + 3 * SLOT_SECONDS)
+    clock.advance(3 * SLOT_SECONDS + 1)
+    restarted = Store(store.data_dir, fsync=False, clock=clock)  # knows nothing but the disk
+    assert restarted.promote_due(config=config) == [item_id]
+    assert store.promote_due(config=config) == []  # promoted once
+
+
+def test_a_quiet_look_for_due_items_lists_no_more_than_a_slot_or_two(store, clock, config, faults):
+    """A million items scheduled for later cost a look nothing: it lists what came due only."""
+    schedule(store, config, *(clock.now + 50 + n for n in range(200)))
+    store.promote_due(config=config)  # the first look at a queue lists its slots
+    clock.advance(1)
+    faults.clear()
+    store.promote_due(config=config)
+    listed = [path for call, path in faults.calls if call == "listdir"]
+    assert len(listed) <= 2 and not any(path.endswith("/scheduled") for path in listed)
+
+
+def test_the_sweep_promotes_too(store, clock, config):
+    (item_id,) = schedule(store, config, clock.now + 5)
+    clock.advance(6)
+    assert store.sweep_queue(config=config).promoted == [item_id]
+
+
+def test_a_scheduled_item_ages_out_like_any_other(store, clock, config):
+    (held,) = schedule(store, config, None)
+    claim = claim_one(store, config)
+    # a release may reach past the queue timeout: the item fails when it ages out, scheduled
+    release(store, config, held, claim.claim_token, delay=config.queue_seconds * 2)
+    clock.advance(config.queue_seconds - 1)
+    assert store.promote_due(config=config) == []
+    assert store.read_item(queue=Q, item_id=held).status == "scheduled"
+    clock.advance(2)
+    assert store.promote_due(config=config) == []
+    aged = store.read_item(queue=Q, item_id=held)
+    assert (aged.status, aged.error) == ("failed", "timeout")
+
+
+def test_a_late_result_is_accepted_while_the_item_is_scheduled(store, clock, config):
+    (item_id,) = schedule(store, config, None)
+    claim = claim_one(store, config)
+    release(store, config, item_id, claim.claim_token, delay=60)
+    assert finish(store, config, item_id, "late").accepted  # G4
+    clock.advance(61)
+    assert store.promote_due(config=config) == []  # its mark only remained
+    assert (store.read_item(queue=Q, item_id=item_id).result, states_of(store, item_id)) == ("late", ["done"])
+
+
+# ---- release with delay and error --------------------------------------------------------------
+
+
+def test_a_release_with_an_error_keeps_it_as_last_error_and_the_next_one_replaces_it(store, clock, config):
+    (item_id,) = schedule(store, config, None)
+    first = claim_one(store, config)
+    back = release(store, config, item_id, first.claim_token, error={"why": "flaky"})
+    assert (back.status, back.last_error, back.attempts) == ("pending", {"why": "flaky"}, 1)
+    assert store.read_item(queue=Q, item_id=item_id).to_json()["lastError"] == {"why": "flaky"}
+    second = claim_one(store, config)
+    assert (second.attempts, second.last_error) == (2, {"why": "flaky"})  # claims show it too
+    release(store, config, item_id, second.claim_token, error=None)
+    assert store.read_item(queue=Q, item_id=item_id).last_error is None
+    third = claim_one(store, config)
+    finish(store, config, item_id, "done at last")
+    done = store.read_item(queue=Q, item_id=item_id)
+    assert (done.status, done.attempts, done.last_error, third.attempts) == ("finished", 3, None, 3)
+
+
+def test_a_release_with_a_delay_schedules_the_item(store, clock, config):
+    (item_id,) = schedule(store, config, None)
+    claim = claim_one(store, config)
+    back = release(store, config, item_id, claim.claim_token, delay=30, error="busy")
+    assert (back.status, back.run_at, states_of(store, item_id)) == ("scheduled", clock.now + 30, ["scheduled"])
+    clock.advance(30)
+    assert store.promote_due(config=config) == [item_id]
+    again = claim_one(store, config)
+    assert (again.attempts, again.last_error) == (2, "busy")
+
+
+def test_a_release_without_an_error_keeps_the_last_one(store, config):
+    (item_id,) = schedule(store, config, None)
+    release(store, config, item_id, claim_one(store, config).claim_token, error="first")
+    release(store, config, item_id, claim_one(store, config).claim_token)
+    assert store.read_item(queue=Q, item_id=item_id).last_error == "first"
+
+
+# ---- maxAttempts ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", ["release", "lease", "socket", "staff"])
+def test_an_item_that_had_its_max_attempts_ends_instead_of_going_back(store, clock, config, path):
+    limited = replace(config, max_attempts=2)
+    (item_id,) = schedule(store, limited, None)
+    for attempt in (1, 2):
+        claim = claim_one(store, limited)
+        assert claim.attempts == attempt
+        if path == "lease":
+            clock.advance(limited.lease_seconds + 1)
+            store.sweep_queue(config=limited)
+        else:
+            token = None if path == "staff" else claim.claim_token
+            release(store, limited, item_id, token, reason=path, error=f"try {attempt}")
+    item = store.read_item(queue=Q, item_id=item_id)
+    assert (item.status, item.error, item.attempts) == ("failed", "max_attempts", 2)
+    if path != "lease":
+        assert item.last_error == "try 2"  # kept after the item ends
+    assert store.count_items(queue=Q).failed == 1
+
+
+def test_a_stopping_server_gives_items_back_without_counting_their_tries(store, config):
+    limited = replace(config, max_attempts=1)
+    (item_id,) = schedule(store, limited, None)
+    back = release(store, limited, item_id, claim_one(store, limited).claim_token, reason="shutdown")
+    assert back.status == "pending"
+
+
+# ---- retry -----------------------------------------------------------------------------------------
+
+
+def test_a_retry_posts_the_ended_item_again_once(store, clock, config):
+    (old,) = schedule(store, config, None, payload={"image": 1})
+    finish(store, config, old, "r")
+    new, made = store.retry_item(config=config, item_id=old)
+    assert made and (new.status, new.payload, new.retry_of) == ("pending", {"image": 1}, old)
+    assert store.read_item(queue=Q, item_id=old).retried_as == new.id
+    assert store.read_item(queue=Q, item_id=old).result == "r"  # the old item stays as it was
+    again, made_again = store.retry_item(config=config, item_id=old)
+    assert (again.id, made_again) == (new.id, False)
+    assert claim_one(store, config).id == new.id
+
+
+def test_a_retry_of_an_item_that_has_not_ended_is_refused(store, clock, config):
+    (item_id,) = schedule(store, config, None)
+    with pytest.raises(NotEnded):
+        store.retry_item(config=config, item_id=item_id)
+    with pytest.raises(ItemNotFound):
+        store.retry_item(config=config, item_id=store.post_items(config=config, items=[NewItem(1)])[0].id[:-1] + "0")
+
+
+def test_a_retry_made_again_after_a_crash_between_its_two_steps_makes_the_same_item(store, config):
+    (old,) = schedule(store, config, None)
+    finish(store, config, old, "r")
+    new, _ = store.retry_item(config=config, item_id=old)
+    os.remove(queue_dir(store) / "pending" / f"{new.id}.json")  # the crash came before the new item was in
+    again, made = store.retry_item(config=config, item_id=old)
+    assert (again.id, made) == (new.id, True)
+    assert states_of(store, new.id) == ["pending"]
+
+
+def test_retries_racing_from_two_processes_make_one_item(tmp_path, clock, config):
+    import threading
+
+    stores = [Store(tmp_path / "shared", fsync=False, clock=clock) for _ in range(2)]
+    (old,) = schedule(stores[0], config, None)
+    finish(stores[0], config, old, "r")
+    answers = []
+    threads = [threading.Thread(target=lambda s=s: answers.append(s.retry_item(config=config, item_id=old)))
+               for s in stores * 4]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len({item.id for item, _ in answers}) == 1
+    assert sorted(made for _, made in answers) == [False] * 7 + [True]
+    assert len(files_in(stores[0], "pending")) == 1
+
+
+# ---- cancel ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("state", ["scheduled", "pending", "processing"])
+def test_a_cancel_ends_an_item_that_has_not_ended_and_refuses_later_results(tmp_path, clock, config, state):
+    told = []
+
+    class Events:
+        def items_available(self, queue, count):
+            pass
+
+        def items_terminal(self, queue, item_ids):
+            pass
+
+        def item_canceled(self, queue, item_id):
+            told.append(item_id)
+
+    store = Store(tmp_path / "data", fsync=False, clock=clock, events=Events())
+    (item_id,) = schedule(store, config, clock.now + 60 if state == "scheduled" else None)
+    if state == "processing":
+        claim_one(store, config)
+    item, canceled = store.cancel_item(config=config, item_id=item_id)
+    assert canceled and (item.status, item.error) == ("failed", "canceled")
+    assert states_of(store, item_id) == ["done"]
+    assert not finish(store, config, item_id, "too late").accepted
+    assert told == ([item_id] if state == "processing" else [])
+    again, canceled_again = store.cancel_item(config=config, item_id=item_id)
+    assert (canceled_again, again.error) == (False, "canceled")
+    with pytest.raises(NotHeld):
+        store.extend_lease(queue=Q, item_id=item_id, seconds=5)
