@@ -610,3 +610,32 @@ def test_delete_queue_removes_its_items_and_only_them(store, config):
     # the queue can be made again from scratch
     (item_id,) = post(store)
     assert claim_one(store, config).id == item_id
+
+
+@pytest.mark.parametrize("claimed", ["just after it is moved in", "while pending/ is flushed"])
+def test_a_single_post_claimed_before_its_flush_ended_is_answered_and_on_disk(tmp_path, clock, config, monkeypatch, claimed):
+    """A single post is in pending/ before its flush ends: a claim (here another process's) may
+    take it meanwhile; the post still succeeds, and the directory that names the item then
+    (processing/) is flushed too."""
+    from queues.store import files
+
+    store = Store(tmp_path / "data", fsync=True, clock=clock)
+    other = alongside(store, clock=clock)
+    store.ensure_queue(Q)
+    seen, taken, flushed = [], [], []
+
+    def claim_once_due(call, path):
+        due = seen and seen[-1][0] == "rename" if claimed == "just after it is moved in" else path.endswith("/pending")
+        if due and call in ("open", "fsync") and not taken:
+            monkeypatch.setattr(files, "fault", None)
+            taken.extend(other.claim_items(config=config, max_items=1))
+            monkeypatch.setattr(files, "fault", claim_once_due)
+        seen.append((call, path))
+        if call == "fsync":
+            flushed.append(path.rsplit("/", 1)[-1])
+
+    monkeypatch.setattr(files, "fault", claim_once_due)
+    (item,) = post_batch(store, Q, ["x"])
+    assert [c.id for c in taken] == [item.id]
+    assert flushed[-1] == "processing"  # where the item is named now
+    assert states_of(store, item.id) == ["processing"]

@@ -226,6 +226,23 @@ def _start_writeback(path: str) -> None:
         os.close(fd)
 
 
+@contextmanager
+def opened(path: str) -> Iterator[int]:
+    """A file opened for reading, closed after."""
+    _before("open", path)
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def flush_open(fd: int, path: str) -> None:
+    """Flush a file through a descriptor opened before it was moved (`path`: where it is now)."""
+    _before("fsync", path)
+    os.fsync(fd)
+
+
 def _fsync(path: str) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:

@@ -218,19 +218,27 @@ class ItemFiles:
             raise
 
     def _publish_one(self, queue: str, item: Item) -> None:
-        state = item.status
+        """A single pending item: moved in, then flushed through the descriptor it was written
+        with, and the directory that names it now: pending/, or processing/ if a claim took it
+        meanwhile (pending/ flushed after that would record it gone)."""
         written = self.write_aside(queue, item)
-        target = self.layout.item(queue, state, item.id)
+        pending = self.layout.item(queue, "pending", item.id)
+        moved = False
         try:
-            files.move(written, target)
+            with files.opened(written) as fd:
+                files.move(written, pending)
+                moved = True
+                if self.fsync:
+                    files.flush_open(fd, pending)
+                    if files.exists(pending):
+                        self.flush_states(queue, "pending")
+                    if not files.exists(pending):  # claimed before pending/ was flushed, or while
+                        self.flush_states(queue, "processing")
         except BaseException:
-            files.remove_quietly(written)
-            raise
-        try:
-            self.flush_files([target])
-            self.flush_states(queue, state)
-        except BaseException:
-            self._take_back(queue, state, item.id)
+            if moved:
+                self._take_back(queue, "pending", item.id)
+            else:
+                files.remove_quietly(written)
             raise
 
     def _take_back(self, queue: str, state: str, item_id: str) -> None:
