@@ -1,8 +1,10 @@
 """`manage.py bench`: it runs end to end and reports every figure, and refuses settings it
 cannot run with. No speed is asserted here: speed is what the bench reports, not what CI checks."""
 
+import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -11,6 +13,7 @@ from dataclasses import replace
 import pytest
 from django.core.management import CommandError, call_command
 
+from queues.bench import peers
 from queues.bench.harness import QUICK, BadSettings, check, check_disk_space
 from queues.bench.profiling import cpu_seconds
 from queues.bench.profiling import summary as profile_summary
@@ -20,6 +23,7 @@ from serverproc import MANAGE, PROJECT_DIR, Deployment
 CLIENT = {"enqueuePerSecond", "endToEndPerSecond", "roundTripMs", "concurrentProducers", "postManyItemsPerSecond"}
 SERVER_ALONE = {"singlePostsPerSecond", "batchPostItemsPerSecond", "endToEndInBatchesPerSecond", "roundTripMs", "bigQueue"}
 WORKLOAD = {"enqueuePerSecond", "endToEndPerSecond", "roundTripMs"}  # ours through the client, and each peer's
+PEER_EXTRA = ("celery", "rq", "redis")
 
 
 def run_bench(tmp_path, *args: str) -> tuple[dict, str]:
@@ -129,6 +133,33 @@ def test_ratios_read_above_one_when_taskhoster_is_better():
     assert any("above 1 = Taskhoster better" in line for line in summary({**figures, "ratios": found}))
 
 
+def test_bench_runs_the_peers_on_their_own_redis(tmp_path):
+    """A tiny --peers run. It needs redis-server and the bench extra; without them it skips, but
+    once they are installed a failing run fails the test."""
+    missing = [name for name in PEER_EXTRA if importlib.util.find_spec(name) is None]
+    if missing:
+        pytest.skip(f"the bench extra is not installed (no {', '.join(missing)}): pip install -e '.[bench]'")
+    if shutil.which("redis-server") is None:
+        pytest.skip("no redis-server on PATH (Debian: apt-get install redis-server)")
+
+    report, progress = run_bench(
+        tmp_path, "--peers", "celery,rq", "--fsync", "on", "--only", "client-end-to-end,client-round-trip",
+        "--items", "20", "--round-trips", "5",
+    )
+
+    labels = {f"{peer} (redis {mode})" for peer in ("celery", "rq") for mode in ("in memory", "aof always")}
+    assert set(report["peers"]) == labels
+    for figures in report["peers"].values():
+        assert set(figures) == WORKLOAD
+        assert_percentiles(figures["roundTripMs"], "p50", "p95", "p99")
+    assert_all_positive(report["peers"])
+    assert set(report["taskhoster"]["fsync on"]["client"]) == WORKLOAD
+    assert set(report["ratios"]["taskhosterVsPeers"]["fsync on"]) == labels
+    assert_all_positive(report["ratios"])
+    assert set(report["settings"]["peerVersions"]) == {"celery", "rq", "redis-py", "redis-server"}
+    assert "Taskhoster better" in progress
+
+
 @pytest.mark.parametrize(
     "changes, complaint",
     [
@@ -140,6 +171,7 @@ def test_ratios_read_above_one_when_taskhoster_is_better():
         ({"measures": ("posts", "speed")}, "--only"),
         ({"producers": (1, 0)}, "--producers"),
         ({"flush_tries": 1}, "--flush-tries"),
+        ({"peers": ("celery", "sidekiq")}, "--peers"),
         ({"url": "http://127.0.0.1:9"}, "--token"),
         ({"url": "http://127.0.0.1:9", "token": "t", "measures": ("server-posts", "claim")}, "--only"),
         ({"url": "http://127.0.0.1:9", "token": "t", "measures": ("disk",)}, "--only"),
@@ -234,3 +266,17 @@ def test_the_lean_producer_asks_again_on_a_new_connection_when_the_server_closed
     listener.close()
     assert requests == [b"GET /api/queues/jobs HTTP/1.1"] * 3
 
+
+def test_peers_need_redis_server_on_path_and_say_so(monkeypatch):
+    from queues.bench import redis_server
+
+    monkeypatch.setattr(redis_server.shutil, "which", lambda name: None)
+    monkeypatch.setattr(peers.importlib.util, "find_spec", lambda name: object())  # as if the extra were there
+    with pytest.raises(BadSettings, match="redis-server on PATH"):
+        check(replace(QUICK, peers=("rq",)))
+
+
+def test_peers_need_the_bench_extra_and_say_so(monkeypatch):
+    monkeypatch.setattr(peers.importlib.util, "find_spec", lambda name: None if name == "rq" else object())
+    with pytest.raises(BadSettings, match=r"rq, from the bench extra: pip install -e '\.\[bench\]'"):
+        check(replace(QUICK, peers=("celery", "rq")))

@@ -15,6 +15,7 @@ On its own servers (the default):
   served once per mode: a fresh server's first claims on it, and its peak memory;
 - the store alone (queues/bench/store_costs.py): a claim's cost per pending size, then one quiet
   sweep pass over the biggest queue (it writes nothing, so fsync plays no part).
+With `peers`, last: each peer on its own Redis, in memory and durable (peers.py).
 
 With `url`, only what goes through the API is measured, on queues that must exist there: the
 disk and the memory of a server elsewhere are out of reach.
@@ -32,7 +33,7 @@ from taskhoster import Producer
 
 from ..serving import DEFAULT_SERVER
 from ..store import MAX_BATCH, Store
-from . import client, disk, load, report, store_costs, workload
+from . import client, disk, load, peers, report, store_costs, workload
 from .lean_client import LeanProducer
 from .profiling import find_py_spy, recording
 from .servers import Deployment, ServerProcess
@@ -69,6 +70,7 @@ class BenchSettings:
     flush_tries: int = 300
     fsync: tuple[bool, ...] = (True, False)
     measures: tuple[str, ...] = MEASURES
+    peers: tuple[str, ...] = ()
     post_queue: str = "bench-posts"
     work_queue: str = "bench-work"
     url: str | None = None
@@ -88,6 +90,10 @@ class BenchSettings:
         }
         if "client-producers" in self.measures:
             described["producers"] = list(self.producers)
+        if self.peers:
+            described["peers"] = list(self.peers)
+            described["peerVersions"] = peers.versions(self.peers)
+            described["celeryWorkers"] = peers.CELERY_WORKERS
         if self.url:
             described["url"] = self.url
             return described
@@ -137,6 +143,11 @@ def check(settings: BenchSettings) -> None:
             raise BadSettings("--profile samples the bench's own servers; it cannot be used with --url")
         if settings.server:
             raise BadSettings("--server chooses the bench's own servers; it cannot be used with --url")
+    if settings.peers:
+        try:
+            peers.check_peers(settings.peers)
+        except RuntimeError as exc:
+            raise BadSettings(str(exc)) from exc
     if settings.profile_dir:
         try:
             find_py_spy()
@@ -175,6 +186,8 @@ def run(settings: BenchSettings, say: Say) -> dict:
             }
         else:
             _own_figures(settings, figures, Path(root), say)
+        if settings.peers:
+            figures["peers"] = _peer_figures(settings, Path(root) / "peers", say)
     figures["ratios"] = report.ratios(figures)
     figures = _rounded(figures)
     for line in report.summary(figures):
@@ -204,6 +217,17 @@ def _own_figures(settings: BenchSettings, figures: dict, root: Path, say: Say) -
         figures["storeAlone"] = store_alone
     if not ours:
         del figures["taskhoster"]
+
+
+def _peer_figures(settings: BenchSettings, root: Path, say: Say) -> dict:
+    measured = {}
+    for name in settings.peers:
+        for durable in (False, True):
+            measured[peers.label(name, durable)] = peers.measure(
+                name, durable=durable, directory=root / f"{name}-{'aof' if durable else 'memory'}",
+                workers=settings.workers, items=settings.items, round_trips=settings.round_trips, say=say,
+            )
+    return measured
 
 
 def _rounded(value):

@@ -7,6 +7,7 @@ from django.core.management.base import BaseCommand, CommandError, DjangoHelpFor
 from queues.bench.harness import (
     GROUPS, MEASURES, QUICK, BadSettings, BenchSettings, check, expand, run, settings_from,
 )
+from queues.bench.peers import PEERS
 from queues.bench.report import KEYS
 from queues.serving import SERVERS
 
@@ -34,8 +35,8 @@ class Command(BaseCommand):
         "Measure Taskhoster on its own throw-away servers (or --url) as users see it, through our\n"
         "Producer and Worker: single posts while 2 workers consume, end to end, round trips,\n"
         "concurrent producers, batches; beside it the server alone (a lean raw-socket producer),\n"
-        "the disk's own flush, claims and a quiet sweep on big queues. Prints one JSON line;\n"
-        "progress and a summary go to stderr."
+        "the disk's own flush, claims and a quiet sweep on big queues; with --peers, Celery and\n"
+        "RQ on the same workload. Prints one JSON line; progress and a summary go to stderr."
     )
 
     def create_parser(self, prog_name, subcommand, **kwargs):
@@ -52,6 +53,9 @@ class Command(BaseCommand):
                             help="TASKHOSTER_FSYNC of the servers (default both)")
         parser.add_argument("--only", help=f"comma-separated, some of: {','.join(MEASURES)}; or "
                                            f"{' and '.join(GROUPS)} for all of theirs (default all)")
+        parser.add_argument("--peers", help=f"also run some of {','.join(PEERS)} on the users' workload, "
+                                            "each on a Redis of its own in memory and with AOF appendfsync "
+                                            "always (needs redis-server on PATH and pip install -e '.[bench]')")
         parser.add_argument("--items", type=int, help=f"items of the end-to-end runs (default {FULL.items})")
         parser.add_argument("--workers", type=int, help=f"worker processes, ours and the peers' (default {FULL.workers})")
         parser.add_argument("--batch", type=int, help=f"items per post in batches (default {FULL.batch})")
@@ -79,8 +83,9 @@ class Command(BaseCommand):
                             help="record each measurement's server with py-spy into DIR (needs py-spy on PATH)")
 
     def handle(self, *args, **options):
-        only = options.pop("only")
+        only, peers = options.pop("only"), options.pop("peers")
         options["measures"] = expand(only.split(",")) if only else None
+        options["peers"] = tuple(peers.split(",")) if peers else None
         for name, option in (("pending_sizes", "--pending-sizes"), ("producers", "--producers")):
             if options[name]:
                 options[name] = _numbers(option, options[name])
