@@ -1,8 +1,10 @@
 """`manage.py bench`: it runs end to end and reports every figure, and refuses settings it
 cannot run with. No speed is asserted here: speed is what the bench reports, not what CI checks."""
 
+import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -11,14 +13,17 @@ from dataclasses import replace
 import pytest
 from django.core.management import CommandError, call_command
 
+from queues.bench import peers
 from queues.bench.harness import QUICK, BadSettings, check, check_disk_space
-from queues.bench.profiling import cpu_seconds, summary
+from queues.bench.profiling import cpu_seconds
+from queues.bench.profiling import summary as profile_summary
+from queues.bench.report import ratios, summary
 from serverproc import MANAGE, PROJECT_DIR, Deployment
 
-PER_FSYNC_MODE = {
-    "singlePostsPerSecond", "batchItemsPerSecond", "endToEndItemsPerSecond", "roundTripMs", "bigQueue",
-    "claimMicroseconds",
-}
+CLIENT = {"enqueuePerSecond", "endToEndPerSecond", "roundTripMs", "concurrentProducers", "postManyItemsPerSecond"}
+SERVER_ALONE = {"singlePostsPerSecond", "batchPostItemsPerSecond", "endToEndInBatchesPerSecond", "roundTripMs", "bigQueue"}
+WORKLOAD = {"enqueuePerSecond", "endToEndPerSecond", "roundTripMs"}  # ours through the client, and each peer's
+PEER_EXTRA = ("celery", "rq", "redis")
 
 
 def run_bench(tmp_path, *args: str) -> tuple[dict, str]:
@@ -46,22 +51,44 @@ def assert_all_positive(figures: dict) -> None:
         assert isinstance(leaf, (int, float)) and not isinstance(leaf, bool) and leaf > 0, figures
 
 
+def assert_percentiles(figures: dict, *cuts: str) -> None:
+    assert list(figures) == list(cuts)
+    assert [figures[cut] for cut in cuts] == sorted(figures[cut] for cut in cuts)
+
+
 def test_quick_bench_reports_every_figure_for_both_fsync_modes(tmp_path):
     report, progress = run_bench(tmp_path, "--quick")
 
-    assert report["settings"]["items"] == 500 and report["settings"]["pendingSizes"] == [10, 2000]
-    assert set(report["fsync"]) == {"on", "off"}
-    for figures in report["fsync"].values():
-        assert set(figures) == PER_FSYNC_MODE
-        assert set(figures["roundTripMs"]) == {"p50", "p95", "p99"}
-        assert figures["roundTripMs"]["p50"] <= figures["roundTripMs"]["p95"] <= figures["roundTripMs"]["p99"]
-        assert set(figures["claimMicroseconds"]) == {"10", "2000"}
-        assert set(figures["bigQueue"]) == {"pending", "firstClaimMs", "claimMs", "serverPeakMemoryMB"}
-        assert figures["bigQueue"]["pending"] == 2000
+    settings = report["settings"]
+    assert settings["items"] == 500 and settings["pendingSizes"] == [10, 2000] and settings["producers"] == [1, 8]
+    assert settings["fsync"] == ["on", "off"] and "peers" not in settings
+    assert set(report) == {"settings", "disk", "taskhoster", "storeAlone", "ratios"}
+    assert_percentiles(report["disk"]["flushMs"], "p50", "p99")
+    assert set(report["taskhoster"]) == {"fsync on", "fsync off"}
+    for figures in report["taskhoster"].values():
+        assert set(figures) == {"client", "serverAlone"}
+        client, alone = figures["client"], figures["serverAlone"]
+        assert set(client) == CLIENT and set(alone) == SERVER_ALONE
+        assert_percentiles(client["roundTripMs"], "p50", "p95", "p99")
+        assert_percentiles(alone["roundTripMs"], "p50", "p95", "p99")
+        assert set(client["concurrentProducers"]) == {"1", "8"}
+        for producers in client["concurrentProducers"].values():
+            assert set(producers) == {"postsPerSecond", "postMs"}
+            assert_percentiles(producers["postMs"], "p50", "p99")
+        assert set(alone["bigQueue"]) == {"pending", "firstClaimMs", "claimMs", "serverPeakMemoryMB"}
+        assert alone["bigQueue"]["pending"] == 2000
         assert_all_positive(figures)
-    assert set(report["quietSweepSeconds"]) == {"2000"}
-    assert_all_positive(report["quietSweepSeconds"])
-    assert "serve pid" in progress  # progress goes to stderr
+    store_alone = report["storeAlone"]
+    assert set(store_alone["claimMicroseconds"]) == {"fsync on", "fsync off"}
+    assert all(set(costs) == {"10", "2000"} for costs in store_alone["claimMicroseconds"].values())
+    assert set(store_alone["quietSweepSeconds"]) == {"2000"}
+    assert_all_positive(store_alone)
+    # batches are set against our own single posts only; with no peers there is nothing else
+    assert set(report["ratios"]) == {"batchesOverSingles"}
+    assert all(set(ratio) == {"client", "serverAlone"} for ratio in report["ratios"]["batchesOverSingles"].values())
+    assert_all_positive(report["ratios"])
+    assert "serve pid" in progress and "Producer.post" in progress  # progress goes to stderr
+    assert "no fsync-on post is answered faster" in progress  # so does the summary
 
 
 def test_bench_measures_a_server_given_by_url(tmp_path):
@@ -73,12 +100,64 @@ def test_bench_measures_a_server_given_by_url(tmp_path):
     with deployment.server() as server:
         report, _ = run_bench(
             tmp_path, "--url", server.url, "--token", token, "--post-queue", "posts", "--work-queue", "work",
-            "--only", "posts,round-trip", "--post-seconds", "0.3", "--round-trips", "5", "--workers", "1",
+            "--only", "client-round-trip,server-posts,server-round-trip", "--post-seconds", "0.3",
+            "--round-trips", "5", "--workers", "1",
         )
 
     assert report["settings"]["url"] == server.url
-    assert set(report["server"]) == {"singlePostsPerSecond", "batchItemsPerSecond", "roundTripMs"}
-    assert_all_positive(report["server"])
+    assert set(report["taskhoster"]) == {"at url"}
+    figures = report["taskhoster"]["at url"]
+    assert set(figures["client"]) == {"roundTripMs"}
+    assert set(figures["serverAlone"]) == {"singlePostsPerSecond", "batchPostItemsPerSecond", "roundTripMs"}
+    assert_all_positive(figures)
+    assert "disk" not in report  # a server elsewhere: its disk is out of reach
+
+
+def test_ratios_read_above_one_when_taskhoster_is_better():
+    ours = {"enqueuePerSecond": 200.0, "endToEndPerSecond": 100.0,
+            "roundTripMs": {"p50": 2.0, "p95": 4.0, "p99": 8.0},
+            "concurrentProducers": {"1": {"postsPerSecond": 50.0, "postMs": {"p50": 1.0, "p99": 2.0}}},
+            "postManyItemsPerSecond": 1000.0}
+    theirs = {"enqueuePerSecond": 100.0, "endToEndPerSecond": 400.0, "roundTripMs": {"p50": 4.0, "p95": 4.0, "p99": 2.0}}
+    figures = {"taskhoster": {"fsync on": {"client": ours, "serverAlone": {"singlePostsPerSecond": 10.0}}},
+               "peers": {"celery (redis in memory)": theirs}}
+
+    found = ratios(figures)
+
+    assert found["taskhosterVsPeers"] == {"fsync on": {"celery (redis in memory)": {
+        "enqueueOursOverTheirs": 2.0, "endToEndOursOverTheirs": 0.25,
+        "roundTripP50TheirsOverOurs": 2.0, "roundTripP95TheirsOverOurs": 1.0, "roundTripP99TheirsOverOurs": 0.25,
+    }}}
+    # our batches against our one-producer single posts, never against a peer's figure
+    assert found["batchesOverSingles"] == {"fsync on": {"client": 20.0}}
+    assert any("above 1 = Taskhoster better" in line for line in summary({**figures, "ratios": found}))
+
+
+def test_bench_runs_the_peers_on_their_own_redis(tmp_path):
+    """A tiny --peers run. It needs redis-server and the bench extra; without them it skips, but
+    once they are installed a failing run fails the test."""
+    missing = [name for name in PEER_EXTRA if importlib.util.find_spec(name) is None]
+    if missing:
+        pytest.skip(f"the bench extra is not installed (no {', '.join(missing)}): pip install -e '.[bench]'")
+    if shutil.which("redis-server") is None:
+        pytest.skip("no redis-server on PATH (Debian: apt-get install redis-server)")
+
+    report, progress = run_bench(
+        tmp_path, "--peers", "celery,rq", "--fsync", "on", "--only", "client-end-to-end,client-round-trip",
+        "--items", "20", "--round-trips", "5",
+    )
+
+    labels = {f"{peer} (redis {mode})" for peer in ("celery", "rq") for mode in ("in memory", "aof always")}
+    assert set(report["peers"]) == labels
+    for figures in report["peers"].values():
+        assert set(figures) == WORKLOAD
+        assert_percentiles(figures["roundTripMs"], "p50", "p95", "p99")
+    assert_all_positive(report["peers"])
+    assert set(report["taskhoster"]["fsync on"]["client"]) == WORKLOAD
+    assert set(report["ratios"]["taskhosterVsPeers"]["fsync on"]) == labels
+    assert_all_positive(report["ratios"])
+    assert set(report["settings"]["peerVersions"]) == {"celery", "rq", "redis-py", "redis-server"}
+    assert "Taskhoster better" in progress
 
 
 @pytest.mark.parametrize(
@@ -90,9 +169,13 @@ def test_bench_measures_a_server_given_by_url(tmp_path):
         ({"pending_sizes": (10, 0)}, "--pending-sizes"),
         ({"post_seconds": 0}, "--post-seconds"),
         ({"measures": ("posts", "speed")}, "--only"),
+        ({"producers": (1, 0)}, "--producers"),
+        ({"flush_tries": 1}, "--flush-tries"),
+        ({"peers": ("celery", "sidekiq")}, "--peers"),
         ({"url": "http://127.0.0.1:9"}, "--token"),
-        ({"url": "http://127.0.0.1:9", "token": "t", "measures": ("posts", "claim")}, "--only"),
-        ({"url": "http://127.0.0.1:9", "token": "t", "measures": ("posts",), "server": "daphne"}, "--server"),
+        ({"url": "http://127.0.0.1:9", "token": "t", "measures": ("server-posts", "claim")}, "--only"),
+        ({"url": "http://127.0.0.1:9", "token": "t", "measures": ("disk",)}, "--only"),
+        ({"url": "http://127.0.0.1:9", "token": "t", "measures": ("server-posts",), "server": "daphne"}, "--server"),
     ],
 )
 def test_bench_refuses_settings_it_cannot_run_with(changes, complaint):
@@ -105,6 +188,8 @@ def test_bench_refuses_settings_it_cannot_run_with(changes, complaint):
     [
         (["--pending-sizes", "10,lots"], "--pending-sizes"),
         (["--only", "speed"], "--only"),
+        (["--only", "posts"], "--only"),  # the server-alone measures are server-posts and so on now
+        (["--producers", "1,many"], "--producers"),
         (["--server", "nginx"], "--server"),
     ],
 )
@@ -131,7 +216,7 @@ def test_profile_summary_counts_busy_samples_and_merges_pool_threads():
         "Condition.wait (threading.py:331) 40",
     ])
 
-    text = summary(raw)
+    text = profile_summary(raw)
 
     assert text.startswith("140 samples, 30 busy (21%)")
     by_thread, inclusive, own = text.split("% of busy samples:")[1:]
@@ -180,3 +265,18 @@ def test_the_lean_producer_asks_again_on_a_new_connection_when_the_server_closed
     thread.join(5)
     listener.close()
     assert requests == [b"GET /api/queues/jobs HTTP/1.1"] * 3
+
+
+def test_peers_need_redis_server_on_path_and_say_so(monkeypatch):
+    from queues.bench import redis_server
+
+    monkeypatch.setattr(redis_server.shutil, "which", lambda name: None)
+    monkeypatch.setattr(peers.importlib.util, "find_spec", lambda name: object())  # as if the extra were there
+    with pytest.raises(BadSettings, match="redis-server on PATH"):
+        check(replace(QUICK, peers=("rq",)))
+
+
+def test_peers_need_the_bench_extra_and_say_so(monkeypatch):
+    monkeypatch.setattr(peers.importlib.util, "find_spec", lambda name: None if name == "rq" else object())
+    with pytest.raises(BadSettings, match=r"rq, from the bench extra: pip install -e '\.\[bench\]'"):
+        check(replace(QUICK, peers=("celery", "rq")))

@@ -1,15 +1,24 @@
 """`manage.py bench`: what it measures, in which order, on which servers.
 
-On its own servers (the default), per fsync mode:
-- a fresh installation serves the posts, the end-to-end run and the round trips: posts go to a
-  queue no worker works, the rest to a queue the worker processes work;
+First, what users see: Taskhoster driven through our own client (`taskhoster.Producer` posting,
+`taskhoster.Worker` processes working), on the same workload as the peers (workload.py), plus
+concurrent producers and batches (client.py). Beside it, the server alone (load.py): the same
+server driven by a lean raw-socket producer, so the figures are the server's and not an HTTP
+library's, with its end-to-end items posted in batches.
+
+On its own servers (the default):
+- the disk first: one small file made durable (write, fsync, directory fsync) in the bench's
+  temporary directory (TMPDIR), where the data directories are (disk.py);
+- per fsync mode, a fresh installation serves the client's and the server-alone measures: worked
+  ones first (2 worker processes on one queue), then posts to a queue no worker works;
 - one installation with a big queue (filled through the store before its servers start) is
   served once per mode: a fresh server's first claims on it, and its peak memory;
-- the store alone (queues/bench/store_costs.py): a claim's cost per pending size.
-Then one quiet sweep pass over the biggest queue (it writes nothing, so fsync plays no part).
+- the store alone (queues/bench/store_costs.py): a claim's cost per pending size, then one quiet
+  sweep pass over the biggest queue (it writes nothing, so fsync plays no part).
+With `peers`, last: each peer on its own Redis, in memory and durable (peers.py).
 
-With `url`, only what goes through the API is measured (posts, end to end, round trips), on
-queues that must exist there: the disk and the memory of a server elsewhere are out of reach.
+With `url`, only what goes through the API is measured, on queues that must exist there: the
+disk and the memory of a server elsewhere are out of reach.
 """
 
 import os
@@ -20,20 +29,25 @@ from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from .lean_client import LeanProducer
+from taskhoster import Producer
 
 from ..serving import DEFAULT_SERVER
 from ..store import MAX_BATCH, NewItem, QueueConfig, Store
-from . import load, store_costs
+from . import client, disk, load, peers, report, store_costs, workload
+from .lean_client import LeanProducer
 from .profiling import find_py_spy, recording
 from .servers import Deployment, ServerProcess
 from .workers import WorkerPool
 
-MEASURES = ("posts", "end-to-end", "round-trip", "claim", "big-queue", "sweep")
-API_MEASURES = ("posts", "end-to-end", "round-trip")
-WORKED = ("end-to-end", "round-trip")
+CLIENT_MEASURES = ("client-end-to-end", "client-round-trip", "client-producers", "client-batches")
+SERVER_MEASURES = ("server-posts", "server-end-to-end", "server-round-trip")
+API_MEASURES = CLIENT_MEASURES + SERVER_MEASURES
+MEASURES = ("disk", *API_MEASURES, "claim", "big-queue", "sweep")
+GROUPS = {"client": CLIENT_MEASURES, "server": SERVER_MEASURES}  # --only shorthands
+WORKED = ("client-end-to-end", "client-round-trip", "server-end-to-end", "server-round-trip")
 BYTES_PER_ITEM = 4096 + 512  # one small file: a block, plus its inode and directory entry
 BIG_QUEUE = "bench-big"
+URL_LABEL = "at url"  # the key of a server given by --url, in place of "fsync on"/"fsync off"
 
 Say = Callable[[str], None]
 
@@ -48,12 +62,15 @@ class BenchSettings:
     workers: int = 2
     batch: int = 100
     claim_batch: int = 100
-    round_trips: int = 500
+    round_trips: int = 200
+    producers: tuple[int, ...] = (1, 8, 64)
     pending_sizes: tuple[int, ...] = (10, 100_000, 1_000_000)
     post_seconds: float = 5.0
     server_claims: int = 200
+    flush_tries: int = 300
     fsync: tuple[bool, ...] = (True, False)
     measures: tuple[str, ...] = MEASURES
+    peers: tuple[str, ...] = ()
     post_queue: str = "bench-posts"
     work_queue: str = "bench-work"
     url: str | None = None
@@ -71,17 +88,29 @@ class BenchSettings:
             "items": self.items, "workers": self.workers, "batch": self.batch, "claimBatch": self.claim_batch,
             "roundTrips": self.round_trips, "postSeconds": self.post_seconds, "measures": list(self.measures),
         }
+        if "client-producers" in self.measures:
+            described["producers"] = list(self.producers)
+        if self.peers:
+            described["peers"] = list(self.peers)
+            described["peerVersions"] = peers.versions(self.peers)
+            described["celeryWorkers"] = peers.CELERY_WORKERS
         if self.url:
             described["url"] = self.url
             return described
-        described["fsync"] = [_label(fsync) for fsync in self.fsync]
+        described["fsync"] = ["on" if fsync else "off" for fsync in self.fsync]
         described["server"] = self.server or DEFAULT_SERVER  # which one was measured, always
+        described["tmpdir"] = tempfile.gettempdir()  # where the data directories (and Redis' files) are
+        if "disk" in self.measures:
+            described["flushTries"] = self.flush_tries
         if _disk_heavy(self):
             described["pendingSizes"] = list(self.pending_sizes)
         return described
 
 
-QUICK = BenchSettings(items=500, round_trips=50, pending_sizes=(10, 2000), post_seconds=1.0, server_claims=20)
+QUICK = BenchSettings(
+    items=500, round_trips=50, producers=(1, 8), pending_sizes=(10, 2000), post_seconds=0.5, server_claims=20,
+    flush_tries=50,
+)
 
 
 def check(settings: BenchSettings) -> None:
@@ -94,13 +123,17 @@ def check(settings: BenchSettings) -> None:
         raise BadSettings("--claim-batch must be 1 to 100 (the API's limit per claim)")
     if settings.round_trips < 2:
         raise BadSettings("--round-trips must be at least 2, to give percentiles")
+    if settings.flush_tries < 2:
+        raise BadSettings("--flush-tries must be at least 2, to give percentiles")
+    if not settings.producers or min(settings.producers) < 1:
+        raise BadSettings("--producers must be whole numbers of at least 1")
     if not settings.pending_sizes or min(settings.pending_sizes) < 1:
         raise BadSettings("--pending-sizes must be whole numbers of at least 1")
     if settings.post_seconds <= 0:
         raise BadSettings("--post-seconds must be more than 0")
     unknown = set(settings.measures) - set(MEASURES)
     if unknown or not settings.measures:
-        raise BadSettings(f"--only takes some of: {', '.join(MEASURES)}")
+        raise BadSettings(f"--only takes some of: {', '.join((*MEASURES, *GROUPS))}")
     if settings.url:
         if not settings.token:
             raise BadSettings("--url needs --token (one that may produce and work on both bench queues)")
@@ -110,6 +143,11 @@ def check(settings: BenchSettings) -> None:
             raise BadSettings("--profile samples the bench's own servers; it cannot be used with --url")
         if settings.server:
             raise BadSettings("--server chooses the bench's own servers; it cannot be used with --url")
+    if settings.peers:
+        try:
+            peers.check_peers(settings.peers)
+        except RuntimeError as exc:
+            raise BadSettings(str(exc)) from exc
     if settings.profile_dir:
         try:
             find_py_spy()
@@ -137,32 +175,61 @@ def check_disk_space(directory: Path, items: int) -> None:
 
 
 def run(settings: BenchSettings, say: Say) -> dict:
-    """Every selected measurement; the figures as the JSON line shows them."""
+    """Every selected measurement; the figures as the JSON line shows them (report.py's KEYS
+    says what each key means). Ends with a summary for a reader on `say`."""
     check(settings)
-    report: dict = {"settings": settings.describe()}
-    if settings.url:
-        report["server"] = _api_figures(settings, settings.url, settings.token, None, "server", say)
-    else:
-        _own_figures(settings, report, say)
-    return _rounded(report)
-
-
-def _own_figures(settings: BenchSettings, report: dict, say: Say) -> None:
-    figures = report["fsync"] = {_label(fsync): {} for fsync in settings.fsync}
+    figures: dict = {"settings": settings.describe()}
     with tempfile.TemporaryDirectory(prefix="taskhoster-bench-") as root:
-        if set(API_MEASURES) & set(settings.measures):
-            for fsync in settings.fsync:
-                installation = Path(root) / f"api-{_label(fsync)}"
-                figures[_label(fsync)].update(_own_api_figures(settings, installation, fsync, say))
-        if "big-queue" in settings.measures:
-            for fsync, measured in _big_queue_figures(settings, Path(root) / "big", say).items():
-                figures[_label(fsync)]["bigQueue"] = measured
-    if "claim" in settings.measures:
+        if settings.url:
+            figures["taskhoster"] = {
+                URL_LABEL: _api_figures(settings, settings.url, settings.token, None, URL_LABEL, say)
+            }
+        else:
+            _own_figures(settings, figures, Path(root), say)
+        if settings.peers:
+            figures["peers"] = _peer_figures(settings, Path(root) / "peers", say)
+    figures["ratios"] = report.ratios(figures)
+    figures = _rounded(figures)
+    for line in report.summary(figures):
+        say(line)
+    return figures
+
+
+def _own_figures(settings: BenchSettings, figures: dict, root: Path, say: Say) -> None:
+    if "disk" in settings.measures:
+        directory = root / "data"
+        say(f"the disk: {settings.flush_tries} small files made durable in {directory}")
+        flush = figures["disk"] = {"flushMs": disk.flush_ms(directory, tries=settings.flush_tries)}
+        say(f"the disk: flush p50 {flush['flushMs']['p50']:.3g} ms, p99 {flush['flushMs']['p99']:.3g} ms "
+            f"(no post answered with fsync on can be faster)")
+    ours = figures["taskhoster"] = {}
+    if set(API_MEASURES) & set(settings.measures):
         for fsync in settings.fsync:
-            figures[_label(fsync)]["claimMicroseconds"] = _claim_costs(settings, fsync, say)
+            ours[_label(fsync)] = _own_api_figures(settings, root / f"api-fsync-{'on' if fsync else 'off'}", fsync, say)
+    if "big-queue" in settings.measures:
+        for fsync, measured in _big_queue_figures(settings, root / "big", say).items():
+            ours.setdefault(_label(fsync), {}).setdefault("serverAlone", {})["bigQueue"] = measured
+    store_alone = {}
+    if "claim" in settings.measures:
+        store_alone["claimMicroseconds"] = {_label(fsync): _claim_costs(settings, fsync, say) for fsync in settings.fsync}
     if "sweep" in settings.measures:
         say(f"one quiet sweep pass over {settings.biggest:,} pending items (the store alone)")
-        report["quietSweepSeconds"] = {str(settings.biggest): store_costs.quiet_sweep_seconds(settings.biggest)}
+        store_alone["quietSweepSeconds"] = {str(settings.biggest): store_costs.quiet_sweep_seconds(settings.biggest)}
+    if store_alone:
+        figures["storeAlone"] = store_alone
+    if not ours:
+        del figures["taskhoster"]
+
+
+def _peer_figures(settings: BenchSettings, root: Path, say: Say) -> dict:
+    measured = {}
+    for name in settings.peers:
+        for durable in (False, True):
+            measured[peers.label(name, durable)] = peers.measure(
+                name, durable=durable, directory=root / f"{name}-{'aof' if durable else 'memory'}",
+                workers=settings.workers, items=settings.items, round_trips=settings.round_trips, say=say,
+            )
+    return measured
 
 
 def _rounded(value):
@@ -175,11 +242,11 @@ def _rounded(value):
 
 
 def _label(fsync: bool) -> str:
-    return "on" if fsync else "off"
+    return f"fsync {'on' if fsync else 'off'}"
 
 
 def _own_api_figures(settings: BenchSettings, root: Path, fsync: bool, say: Say) -> dict:
-    label = f"fsync {_label(fsync)}"
+    label = _label(fsync)
     say(f"{label}: preparing an installation in {root}")
     deployment = Deployment(root)
     deployment.prepare(queues=[settings.post_queue, settings.work_queue])
@@ -191,40 +258,69 @@ def _own_api_figures(settings: BenchSettings, root: Path, fsync: bool, say: Say)
 def _api_figures(
     settings: BenchSettings, url: str, token: str, server: ServerProcess | None, label: str, say: Say
 ) -> dict:
-    figures: dict = {}
+    """The client's and the server-alone figures of one server: {"client": ..., "serverAlone": ...}
+    with what was selected. Worked measures first, while the workers run, then the posts."""
+    measures = set(settings.measures)
+    mine, alone = {}, {}
     profile = _profiler(settings, server, label)
-    with LeanProducer(url, token, timeout=120) as producer, ExitStack() as stack:
-        if "posts" in settings.measures:
-            say(f"{label}: single posts, then {settings.batch}-item batches, {settings.post_seconds:g} s each")
-            with profile("posts-single"):
-                figures["singlePostsPerSecond"] = load.single_posts_per_second(
-                    producer, settings.post_queue, seconds=settings.post_seconds
+    with LeanProducer(url, token, timeout=120) as lean, Producer(url, token, timeout=60) as producer, \
+            ExitStack() as stack:
+        if set(WORKED) & measures:
+            say(f"{label}: starting {settings.workers} worker processes, claiming up to {settings.claim_batch} each")
+            pool = stack.enter_context(
+                WorkerPool(
+                    url=url, token=token, queue=settings.work_queue, count=settings.workers,
+                    claim_batch=settings.claim_batch,
                 )
-            with profile("posts-batch"):
-                figures["batchItemsPerSecond"] = load.batch_items_per_second(
+            )
+            say(f"{label}: the workers are warm after {pool.warm_up(lean)} warm-up items")
+        users = client.TaskhosterSystem(producer, settings.work_queue)
+        if "client-end-to-end" in measures:
+            say(f"{label}: client: {settings.items:,} items, one Producer.post each, while the workers consume")
+            with profile("client-end-to-end"):
+                mine.update(workload.enqueue_and_end_to_end(users, items=settings.items))
+        if "client-round-trip" in measures:
+            say(f"{label}: client: {settings.round_trips} round trips, Producer.post then Producer.result")
+            with profile("client-round-trip"):
+                mine["roundTripMs"] = workload.round_trip_ms(users, count=settings.round_trips)
+        if "server-end-to-end" in measures:
+            say(f"{label}: server alone: {settings.items:,} items end to end, posted {settings.batch} at a time")
+            with profile("server-end-to-end"):
+                alone["endToEndInBatchesPerSecond"] = load.end_to_end_items_per_second(
+                    lean, settings.work_queue, items=settings.items, batch=settings.batch
+                )
+        if "server-round-trip" in measures:
+            say(f"{label}: server alone: {settings.round_trips} round trips")
+            with profile("server-round-trip"):
+                alone["roundTripMs"] = load.round_trip_ms(lean, settings.work_queue, count=settings.round_trips)
+        stack.close()  # the workers stop: what follows posts to a queue nobody works
+        if "client-producers" in measures:
+            mine["concurrentProducers"] = {}
+            for threads in settings.producers:
+                say(f"{label}: client: {threads} threads, a Producer each, posting single items for "
+                    f"{settings.post_seconds:g} s")
+                with profile(f"client-producers-{threads}"):
+                    mine["concurrentProducers"][str(threads)] = client.concurrent_posts(
+                        url, token, settings.post_queue, threads=threads, seconds=settings.post_seconds
+                    )
+        if "client-batches" in measures:
+            say(f"{label}: client: Producer.post_many, {settings.batch} items a call, {settings.post_seconds:g} s")
+            with profile("client-batches"):
+                mine["postManyItemsPerSecond"] = client.batch_items_per_second(
                     producer, settings.post_queue, seconds=settings.post_seconds, batch=settings.batch
                 )
-        if not set(WORKED) & set(settings.measures):
-            return figures
-        say(f"{label}: starting {settings.workers} worker processes, claiming up to {settings.claim_batch} each")
-        pool = stack.enter_context(
-            WorkerPool(
-                url=url, token=token, queue=settings.work_queue, count=settings.workers,
-                claim_batch=settings.claim_batch,
-            )
-        )
-        say(f"{label}: the workers are warm after {pool.warm_up(producer)} warm-up items")
-        if "end-to-end" in settings.measures:
-            say(f"{label}: {settings.items:,} items end to end, posted {settings.batch} at a time")
-            with profile("end-to-end"):
-                figures["endToEndItemsPerSecond"] = load.end_to_end_items_per_second(
-                    producer, settings.work_queue, items=settings.items, batch=settings.batch
+        if "server-posts" in measures:
+            say(f"{label}: server alone: single posts, then {settings.batch}-item batches, "
+                f"{settings.post_seconds:g} s each")
+            with profile("server-posts-single"):
+                alone["singlePostsPerSecond"] = load.single_posts_per_second(
+                    lean, settings.post_queue, seconds=settings.post_seconds
                 )
-        if "round-trip" in settings.measures:
-            say(f"{label}: {settings.round_trips} round trips")
-            with profile("round-trip"):
-                figures["roundTripMs"] = load.round_trip_ms(producer, settings.work_queue, count=settings.round_trips)
-    return figures
+            with profile("server-posts-batch"):
+                alone["batchPostItemsPerSecond"] = load.batch_items_per_second(
+                    lean, settings.post_queue, seconds=settings.post_seconds, batch=settings.batch
+                )
+    return {name: part for name, part in (("client", mine), ("serverAlone", alone)) if part}
 
 
 def _profiler(settings: BenchSettings, server: ServerProcess | None, label: str):
@@ -249,7 +345,7 @@ def _big_queue_figures(settings: BenchSettings, root: Path, say: Say) -> dict[bo
     measured = {}
     try:
         for fsync in settings.fsync:
-            label = f"fsync {_label(fsync)}"
+            label = _label(fsync)
             with deployment.server(fsync=fsync, server=settings.server) as server:
                 say(f"{label}: serve pid {server.pid}: {settings.server_claims} claims on {size:,} pending items")
                 with _profiler(settings, server, label)("big-queue"):
@@ -264,7 +360,7 @@ def _big_queue_figures(settings: BenchSettings, root: Path, say: Say) -> dict[bo
 def fill(data_dir: Path, queue: str, count: int, say: Say) -> None:
     store = Store(data_dir, fsync=False)
     for start in range(0, count, MAX_BATCH):
-        store.post_items(config=QueueConfig(name=queue), items=[NewItem(load.PAYLOAD)] * min(MAX_BATCH, count - start))
+        store.post_items(config=QueueConfig(name=queue), items=[NewItem(workload.PAYLOAD)] * min(MAX_BATCH, count - start))
         if start and start % 100_000 == 0:
             say(f"  {start:,} written")
 
@@ -272,9 +368,17 @@ def fill(data_dir: Path, queue: str, count: int, say: Say) -> None:
 def _claim_costs(settings: BenchSettings, fsync: bool, say: Say) -> dict[str, float]:
     costs = {}
     for pending in settings.pending_sizes:
-        say(f"fsync {_label(fsync)}: a claim's cost with {pending:,} pending items (the store alone)")
+        say(f"{_label(fsync)}: a claim's cost with {pending:,} pending items (the store alone)")
         costs[str(pending)] = store_costs.claim_cost(pending, fsync=fsync) * 1e6
     return costs
+
+
+def expand(measures: list[str]) -> tuple[str, ...]:
+    """--only's names with the shorthands (client, server) spelled out, in MEASURES' order
+    when they are all known."""
+    named = {measure for name in measures for measure in GROUPS.get(name, (name,))}
+    known = [measure for measure in MEASURES if measure in named]
+    return tuple(known) if len(known) == len(named) else tuple(named)
 
 
 def settings_from(options: dict) -> BenchSettings:

@@ -1,5 +1,6 @@
-"""The measurements made against a running server, through its API. Each takes a LeanProducer
-(one keep-alive HTTP connection) and returns plain numbers."""
+"""The server alone: measurements made against a running server through its API with a
+LeanProducer (one keep-alive HTTP connection over a plain socket, no HTTP library), so the
+figures are the server's. Each returns plain numbers."""
 
 import statistics
 import time
@@ -7,10 +8,9 @@ import time
 import httpx
 
 from .lean_client import LeanProducer
+from .workload import PAYLOAD, RESULT_TIMEOUT, percentiles
 
-PAYLOAD = {"text": "x" * 100}  # a small job description, about 110 bytes as JSON
 POLL_SECONDS = 0.01
-RESULT_TIMEOUT = 30.0
 
 
 def single_posts_per_second(producer: LeanProducer, queue: str, *, seconds: float) -> float:
@@ -74,8 +74,7 @@ def round_trip_ms(producer: LeanProducer, queue: str, *, count: int) -> dict[str
         took.append((time.perf_counter() - started) * 1000)
         if ended["status"] != "finished":
             raise RuntimeError(f"a round-trip item ended {ended['status']}")
-    cuts = statistics.quantiles(took, n=100, method="inclusive")
-    return {"p50": cuts[49], "p95": cuts[94], "p99": cuts[98]}
+    return percentiles(took, 50, 95, 99)
 
 
 def http_claims_ms(url: str, token: str, queue: str, *, claims: int) -> dict[str, float]:

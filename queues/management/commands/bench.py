@@ -1,47 +1,76 @@
+import argparse
 import json
 from pathlib import Path
 
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import BaseCommand, CommandError, DjangoHelpFormatter
 
-from queues.bench.harness import MEASURES, QUICK, BadSettings, BenchSettings, check, run, settings_from
+from queues.bench.harness import (
+    GROUPS, MEASURES, QUICK, BadSettings, BenchSettings, check, expand, run, settings_from,
+)
+from queues.bench.peers import PEERS
+from queues.bench.report import KEYS
 from queues.serving import SERVERS
 
 FULL = BenchSettings()
 FSYNC_MODES = {"on": (True,), "off": (False,), "both": (True, False)}
 
 
-def _sizes(text: str) -> tuple[int, ...]:
+class _HelpFormatter(DjangoHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Django's order of options, and the description's and epilog's lines kept as written."""
+
+
+def _numbers(option: str, text: str) -> tuple[int, ...]:
     try:
         return tuple(int(part.replace("_", "")) for part in text.split(","))
     except ValueError:
-        raise CommandError(f"--pending-sizes takes whole numbers separated by commas, not {text!r}") from None
+        raise CommandError(f"{option} takes whole numbers separated by commas, not {text!r}") from None
+
+
+def _listed(numbers: tuple[int, ...]) -> str:
+    return ",".join(map(str, numbers))
 
 
 class Command(BaseCommand):
     help = (
-        "Measure the server on its own throw-away servers (or --url): posts, end to end with worker "
-        "processes, round trips, claims and a quiet sweep on big queues. Prints one JSON line; "
-        "progress goes to stderr."
+        "Measure Taskhoster on its own throw-away servers (or --url) as users see it, through our\n"
+        "Producer and Worker: single posts while 2 workers consume, end to end, round trips,\n"
+        "concurrent producers, batches; beside it the server alone (a lean raw-socket producer),\n"
+        "the disk's own flush, claims and a quiet sweep on big queues; with --peers, Celery and\n"
+        "RQ on the same workload. Prints one JSON line; progress and a summary go to stderr."
     )
 
+    def create_parser(self, prog_name, subcommand, **kwargs):
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        kwargs.setdefault("epilog", KEYS)
+        return super().create_parser(prog_name, subcommand, **kwargs)
+
     def add_arguments(self, parser):
-        sizes = ",".join(map(str, FULL.pending_sizes))
         parser.add_argument("--quick", action="store_true",
                             help=f"small sizes for CI ({QUICK.items} items, {QUICK.round_trips} round trips, "
-                                 f"pending sizes {','.join(map(str, QUICK.pending_sizes))}); asserts no speed")
+                                 f"producers {_listed(QUICK.producers)}, pending sizes "
+                                 f"{_listed(QUICK.pending_sizes)}); asserts no speed")
         parser.add_argument("--fsync", choices=FSYNC_MODES, default="both",
                             help="TASKHOSTER_FSYNC of the servers (default both)")
-        parser.add_argument("--only", help=f"comma-separated, some of: {','.join(MEASURES)} (default all)")
-        parser.add_argument("--items", type=int, help=f"items of the end-to-end run (default {FULL.items})")
-        parser.add_argument("--workers", type=int, help=f"worker processes (default {FULL.workers})")
+        parser.add_argument("--only", help=f"comma-separated, some of: {','.join(MEASURES)}; or "
+                                           f"{' and '.join(GROUPS)} for all of theirs (default all)")
+        parser.add_argument("--peers", help=f"also run some of {','.join(PEERS)} on the users' workload, "
+                                            "each on a Redis of its own in memory and with AOF appendfsync "
+                                            "always (needs redis-server on PATH and pip install -e '.[bench]')")
+        parser.add_argument("--items", type=int, help=f"items of the end-to-end runs (default {FULL.items})")
+        parser.add_argument("--workers", type=int, help=f"worker processes, ours and the peers' (default {FULL.workers})")
         parser.add_argument("--batch", type=int, help=f"items per post in batches (default {FULL.batch})")
         parser.add_argument("--claim-batch", type=int,
                             help=f"most items per claim of a worker (default {FULL.claim_batch})")
         parser.add_argument("--round-trips", type=int,
                             help=f"round trips timed one at a time (default {FULL.round_trips})")
-        parser.add_argument("--pending-sizes", help=f"pending items to measure a claim at (default {sizes})")
+        parser.add_argument("--producers",
+                            help=f"threads of the concurrent producers, one run each (default {_listed(FULL.producers)})")
+        parser.add_argument("--pending-sizes",
+                            help=f"pending items to measure a claim at (default {_listed(FULL.pending_sizes)})")
         parser.add_argument("--post-seconds", type=float,
                             help=f"how long each kind of post runs (default {FULL.post_seconds:g})")
+        parser.add_argument("--flush-tries", type=int,
+                            help=f"files made durable to time the disk's flush (default {FULL.flush_tries})")
         parser.add_argument("--server-claims", type=int,
                             help=f"claims served on the biggest queue (default {FULL.server_claims})")
         parser.add_argument("--server", choices=SERVERS,
@@ -54,9 +83,12 @@ class Command(BaseCommand):
                             help="record each measurement's server with py-spy into DIR (needs py-spy on PATH)")
 
     def handle(self, *args, **options):
-        only, sizes = options.pop("only"), options["pending_sizes"]
-        options["measures"] = tuple(only.split(",")) if only else None
-        options["pending_sizes"] = _sizes(sizes) if sizes else None
+        only, peers = options.pop("only"), options.pop("peers")
+        options["measures"] = expand(only.split(",")) if only else None
+        options["peers"] = tuple(peers.split(",")) if peers else None
+        for name, option in (("pending_sizes", "--pending-sizes"), ("producers", "--producers")):
+            if options[name]:
+                options[name] = _numbers(option, options[name])
         options["fsync"] = FSYNC_MODES[options["fsync"]]
         options["profile_dir"] = options.pop("profile")
         settings = settings_from(options)

@@ -1,0 +1,36 @@
+"""What the disk under the data directory takes to make one small file durable: write it, fsync
+it, fsync its directory. A post answered with fsync on does at least that, so no such post can be
+answered faster than this flush (and one producer posting one item at a time gets at most
+1000 / p50 posts per second)."""
+
+import os
+import time
+from pathlib import Path
+
+from .workload import percentiles
+
+FILE_BYTES = 200  # about one small item's file
+
+
+def flush_ms(directory: Path, *, tries: int) -> dict[str, float]:
+    """`tries` new files of FILE_BYTES in `directory` (made if missing), each written, fsynced
+    and its directory fsynced: that flush's p50 and p99 in milliseconds. The files are left for
+    the caller's clean-up."""
+    directory.mkdir(parents=True, exist_ok=True)
+    data = b"x" * FILE_BYTES
+    took = []
+    folder = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for number in range(tries):
+            started = time.perf_counter()
+            descriptor = os.open(directory / f"flush-{number}", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.write(descriptor, data)
+                os.fsync(descriptor)
+            finally:
+                os.close(descriptor)
+            os.fsync(folder)
+            took.append((time.perf_counter() - started) * 1000)
+    finally:
+        os.close(folder)
+    return percentiles(took, 50, 99)

@@ -1,0 +1,154 @@
+"""The bench's JSON line, explained (KEYS, shown by `manage.py bench --help`); the ratios made
+from its figures; and the summary printed for a reader on stderr."""
+
+KEYS = """\
+The JSON line (one line on stdout; progress and a readable summary go to stderr):
+  settings     what was run: sizes, measures, fsync modes, server, tmpdir, peers' versions
+  disk.flushMs {p50, p99}: one 200-byte file written, fsynced, its directory fsynced, in
+               TMPDIR; no post answered with fsync on can be faster than this
+  taskhoster."fsync on" | "fsync off" | "at url" (a server given by --url):
+    client       through our own client, Producer and 2 Worker processes (what users see):
+      enqueuePerSecond     --items single posts, one Producer.post each, while the workers consume
+      endToEndPerSecond    the same items, from the first post until every result is in
+      roundTripMs          {p50, p95, p99}: Producer.post, a Worker, Producer.result(), one at a time
+      concurrentProducers  {"N": {postsPerSecond, postMs {p50, p99}}}: N threads with a Producer
+                           each, posting single items to a queue no worker works
+      postManyItemsPerSecond  Producer.post_many, --batch items a call, to that queue
+    serverAlone  the same server driven by a lean raw-socket producer (no HTTP library):
+      singlePostsPerSecond, batchPostItemsPerSecond  one connection, to the unworked queue
+      endToEndInBatchesPerSecond  --items posted --batch at a time while the workers consume
+      roundTripMs          {p50, p95, p99}, post then a held GET until the item is done
+      bigQueue             {pending, firstClaimMs, claimMs, serverPeakMemoryMB}: a fresh server
+                           on the biggest queue of --pending-sizes
+  storeAlone   the store without a server: claimMicroseconds {"fsync on": {"PENDING": us}},
+               quietSweepSeconds {"PENDING": s}
+  peers."celery (redis in memory)" | "celery (redis aof always)" | "rq (...)" | ...
+               the users' workload through each library's normal API, with the same keys as
+               taskhoster.*.client: enqueuePerSecond, endToEndPerSecond, roundTripMs
+  ratios       every ratio above 1 means Taskhoster is better:
+    taskhosterVsPeers."fsync on"."celery (redis in memory)":
+      enqueueOursOverTheirs, endToEndOursOverTheirs      our client's items/s over theirs
+      roundTripP50TheirsOverOurs (P95, P99)              their round trip over ours
+    batchesOverSingles."fsync on": {client, serverAlone}: items/s posted in batches over single
+               posts of one producer, each against our own singles only (never a peer's)
+"""
+
+PEER_KEYS = ("enqueuePerSecond", "endToEndPerSecond")
+CUTS = ("p50", "p95", "p99")
+
+
+def ratios(figures: dict) -> dict:
+    """The ratios of KEYS, from whatever figures are there."""
+    ours, theirs = figures.get("taskhoster", {}), figures.get("peers", {})
+    against_peers, batches = {}, {}
+    for mode, parts in ours.items():
+        mine = parts.get("client", {})
+        compared = {peer: _against(mine, their) for peer, their in theirs.items()}
+        compared = {peer: found for peer, found in compared.items() if found}
+        if compared:
+            against_peers[mode] = compared
+        own = _batches_over_singles(mine, parts.get("serverAlone", {}))
+        if own:
+            batches[mode] = own
+    found = {}
+    if against_peers:
+        found["taskhosterVsPeers"] = against_peers
+    if batches:
+        found["batchesOverSingles"] = batches
+    return found
+
+
+def _against(mine: dict, their: dict) -> dict:
+    found = {}
+    for key in PEER_KEYS:
+        if key in mine and key in their:
+            found[key.removesuffix("PerSecond") + "OursOverTheirs"] = mine[key] / their[key]
+    if "roundTripMs" in mine and "roundTripMs" in their:
+        for cut in CUTS:
+            found[f"roundTrip{cut.upper()}TheirsOverOurs"] = their["roundTripMs"][cut] / mine["roundTripMs"][cut]
+    return found
+
+
+def _batches_over_singles(mine: dict, alone: dict) -> dict:
+    found = {}
+    single = mine.get("concurrentProducers", {}).get("1", {}).get("postsPerSecond")
+    if single and "postManyItemsPerSecond" in mine:
+        found["client"] = mine["postManyItemsPerSecond"] / single
+    if "singlePostsPerSecond" in alone and "batchPostItemsPerSecond" in alone:
+        found["serverAlone"] = alone["batchPostItemsPerSecond"] / alone["singlePostsPerSecond"]
+    return found
+
+
+def summary(figures: dict) -> list[str]:
+    """The figures for a reader: one line per system on the users' workload, then the ratios."""
+    lines = ["", "== summary (the JSON line on stdout has every figure) =="]
+    flush = figures.get("disk", {}).get("flushMs")
+    if flush:
+        lines.append(
+            f"disk: a small file made durable (write, fsync, directory fsync) p50 {flush['p50']:.3g} ms, "
+            f"p99 {flush['p99']:.3g} ms: no fsync-on post is answered faster (one producer, one post at a "
+            f"time: at most {1000 / flush['p50']:,.0f} posts/s)"
+        )
+    rows = [(f"taskhoster {mode}, client", parts["client"]) for mode, parts in figures.get("taskhoster", {}).items()
+            if "client" in parts]
+    rows += list(figures.get("peers", {}).items())
+    if rows:
+        lines.append(f"{'users workload':<34}{'enqueue/s':>10}{'end to end/s':>14}   round trip p50 / p95 / p99 ms")
+        lines += [_row(name, measured) for name, measured in rows]
+    for mode, parts in figures.get("taskhoster", {}).items():
+        lines += _ours_only(mode, parts)
+    lines += _ratio_lines(figures.get("ratios", {}))
+    return lines
+
+
+def _row(name: str, measured: dict) -> str:
+    def number(key: str) -> str:
+        return f"{measured[key]:,.0f}" if key in measured else "-"
+
+    trip = measured.get("roundTripMs")
+    trip_text = " / ".join(f"{trip[cut]:.3g}" for cut in CUTS) if trip else "-"
+    return f"{name:<34}{number('enqueuePerSecond'):>10}{number('endToEndPerSecond'):>14}   {trip_text}"
+
+
+def _ours_only(mode: str, parts: dict) -> list[str]:
+    lines = []
+    producers = parts.get("client", {}).get("concurrentProducers", {})
+    if producers:
+        lines.append(f"taskhoster {mode}, concurrent producers (threads, a Producer each, single posts): " + "; ".join(
+            f"{threads}: {found['postsPerSecond']:,.0f}/s, post p50 {found['postMs']['p50']:.3g} ms "
+            f"p99 {found['postMs']['p99']:.3g} ms" for threads, found in producers.items()
+        ))
+    alone = parts.get("serverAlone", {})
+    shown = [
+        (key, text) for key, text in (
+            ("singlePostsPerSecond", "single posts/s"), ("batchPostItemsPerSecond", "items/s in batches"),
+            ("endToEndInBatchesPerSecond", "end to end/s posted in batches"),
+        ) if key in alone
+    ]
+    if shown or "roundTripMs" in alone:
+        texts = [f"{alone[key]:,.0f} {text}" for key, text in shown]
+        if "roundTripMs" in alone:
+            texts.append("round trip " + " / ".join(f"{alone['roundTripMs'][cut]:.3g}" for cut in CUTS) + " ms")
+        lines.append(f"taskhoster {mode}, server alone (lean raw-socket producer): " + ", ".join(texts))
+    return lines
+
+
+def _ratio_lines(found: dict) -> list[str]:
+    lines = []
+    against = found.get("taskhosterVsPeers", {})
+    if against:
+        lines.append("ratios, Taskhoster's client against each peer, above 1 = Taskhoster better "
+                     "(throughput: ours / theirs; round trip: theirs / ours):")
+        for mode, peers in against.items():
+            for peer, ratio in peers.items():
+                parts = [f"{name.removesuffix('OursOverTheirs')} {ratio[name]:.2f}x"
+                         for name in ratio if name.endswith("OursOverTheirs")]
+                trips = [f"{ratio[f'roundTrip{cut.upper()}TheirsOverOurs']:.2f}x" for cut in CUTS
+                         if f"roundTrip{cut.upper()}TheirsOverOurs" in ratio]
+                if trips:
+                    parts.append("round trip p50/p95/p99 " + " / ".join(trips))
+                lines.append(f"  taskhoster {mode} vs {peer}: " + ", ".join(parts))
+    for mode, own in found.get("batchesOverSingles", {}).items():
+        lines.append(f"our batches over our own single posts ({mode}, one producer each): "
+                     + ", ".join(f"{where} {ratio:.1f}x" for where, ratio in own.items()))
+    return lines
