@@ -14,7 +14,7 @@ import pytest
 from django.core.management import CommandError, call_command
 
 from queues.bench import peers
-from queues.bench.harness import QUICK, BadSettings, check, check_disk_space
+from queues.bench.harness import QUICK, BadSettings, check, check_disk_space, expand
 from queues.bench.profiling import cpu_seconds
 from queues.bench.profiling import summary as profile_summary
 from queues.bench.report import ratios, summary
@@ -188,7 +188,6 @@ def test_bench_refuses_settings_it_cannot_run_with(changes, complaint):
     [
         (["--pending-sizes", "10,lots"], "--pending-sizes"),
         (["--only", "speed"], "--only"),
-        (["--only", "posts"], "--only"),  # the server-alone measures are server-posts and so on now
         (["--producers", "1,many"], "--producers"),
         (["--server", "nginx"], "--server"),
     ],
@@ -280,3 +279,8 @@ def test_peers_need_the_bench_extra_and_say_so(monkeypatch):
     monkeypatch.setattr(peers.importlib.util, "find_spec", lambda name: None if name == "rq" else object())
     with pytest.raises(BadSettings, match=r"rq, from the bench extra: pip install -e '\.\[bench\]'"):
         check(replace(QUICK, peers=("celery", "rq")))
+
+
+def test_the_measures_names_of_earlier_builds_are_the_server_alone_ones():
+    """So one command (`--only posts,end-to-end,round-trip`) measures an earlier build and this."""
+    assert expand(["posts", "end-to-end", "round-trip"]) == ("server-posts", "server-end-to-end", "server-round-trip")
