@@ -41,6 +41,7 @@ from .store import ABSENT, QueueConfig, Release, single
 log = logging.getLogger(__name__)
 
 UNAUTHORIZED = 4401  # close code for a handshake without a valid token with the right to work
+SERVER_STOPPING = 1012  # the close code uvicorn gives every socket when the server stops
 
 FIELDS = {
     "claim": {"op", "ref", "queue", "max", "wait"},
@@ -125,15 +126,19 @@ class WorkConsumer(AsyncWebsocketConsumer):
     async def __call__(self, scope, receive, send):
         try:
             await super().__call__(scope, receive, send)
+        except asyncio.CancelledError:
+            await self.let_go(reason="shutdown")  # daphne cancels every socket when it stops
+            raise
         finally:
-            # also when a handler failed or the server is stopping, which both skip disconnect()
-            await self.let_go()
+            # also when a handler failed, which skips disconnect()
+            await self.let_go(reason="socket")
 
     async def disconnect(self, code):
-        await self.let_go()
+        await self.let_go(reason="shutdown" if code == SERVER_STOPPING else "socket")
 
-    async def let_go(self) -> None:
-        """Stop the waiting claims and re-queue every item this connection still holds (G8)."""
+    async def let_go(self, *, reason: str) -> None:
+        """Stop the waiting claims and re-queue every item this connection still holds (G8). A
+        server that stops gives them back without counting the try against maxAttempts."""
         for task in self.waiting:
             task.cancel()
         await asyncio.gather(*self.waiting, return_exceptions=True)
@@ -144,7 +149,7 @@ class WorkConsumer(AsyncWebsocketConsumer):
             hub.let_go(queue, item_id)
         registry = get_registry()
         releases = [
-            Release(registry.queue(queue) or QueueConfig(name=queue), item_id, token, reason="socket")
+            Release(registry.queue(queue) or QueueConfig(name=queue), item_id, token, reason=reason)
             for (queue, item_id), token in held.items()
         ]
         if releases:

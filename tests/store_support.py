@@ -37,3 +37,8 @@ def copy_file(store: Store, item_id: str, source: str, target: str) -> None:
     """What a crash between two steps of a transition leaves: the same id in two states."""
     data = (queue_dir(store) / source / f"{item_id}.json").read_bytes()
     (queue_dir(store) / target / f"{item_id}.json").write_bytes(data)
+
+
+def half_written(store: Store, queue: str = Q) -> list[str]:
+    """What tmp/ holds but the spares kept to be written over: files a writer left half done."""
+    return [name for name in files_in(store, "tmp", queue) if not name.startswith("spare-")]

@@ -20,7 +20,7 @@ from queues.events import hub
 from queues.models import Queue
 from queues.runtime import get_registry, get_store
 from queues.services import save_queue
-from queues.store import QueueConfig, Store
+from queues.store import NewItem, QueueConfig, Store
 from storekit import finish, post_batch, release
 from taskhoster_site.asgi import application
 
@@ -75,6 +75,8 @@ def actions_of(queue_name: str, item_id: str) -> list[str]:
         f"/queues/{queue_name}/pause",
         f"/queues/{queue_name}/resume",
         f"/queues/{queue_name}/items/{item_id}/requeue",
+        f"/queues/{queue_name}/items/{item_id}/retry",
+        f"/queues/{queue_name}/items/{item_id}/cancel",
     ]
 
 
@@ -141,6 +143,7 @@ def test_dashboard_shows_every_queue_with_counts_by_state(staff_client, queue):
     assert list(rows) == ["emails", "thumbs"]
     thumbs = {segment["state"]: segment for segment in rows["thumbs"]["segments"]}
     assert {state: segment["count"] for state, segment in thumbs.items()} == {
+        "scheduled": 0,
         "pending": 2,
         "processing": 1,
         "finished": 1,
@@ -150,7 +153,7 @@ def test_dashboard_shows_every_queue_with_counts_by_state(staff_client, queue):
     assert rows["emails"]["paused"] and not rows["thumbs"]["paused"]
     html = response.content.decode()
     assert '<b data-count="pending">2</b>' in html
-    assert 'aria-label="2 pending, 1 processing, 1 finished, 0 failed"' in html
+    assert 'aria-label="0 scheduled, 2 pending, 1 processing, 1 finished, 0 failed"' in html
     assert html.count('data-field="paused">Paused') == 1  # shown for emails; hidden for thumbs
     assert 'data-queue="emails" class="th-is-paused"' in html
 
@@ -259,7 +262,7 @@ def test_done_list_shows_finished_and_failed_items(staff_client, db, clocked_sto
 
     assert sorted(row["status"] for row in response.context["items"]) == ["failed", "finished"]
     tabs = {tab["state"]: tab["count"] for tab in response.context["tabs"]}
-    assert tabs == {"pending": 0, "processing": 0, "done": 2}
+    assert tabs == {"scheduled": 0, "pending": 0, "processing": 0, "done": 2}
 
 
 # ---- one item --------------------------------------------------------------------------------------
@@ -558,3 +561,68 @@ async def test_the_feed_stops_computing_when_the_last_dashboard_leaves():
     taken = compute.taken
     await asyncio.sleep(0.05)
     assert compute.taken == taken
+
+
+# ---- beyond the seed: scheduled items, failures told apart, retry and cancel ----------------------
+
+
+def test_the_scheduled_tab_lists_items_with_when_they_are_due(staff_client, queue, clock, clocked_store):
+    [item] = clocked_store.post_items(config=queue.config(), items=[NewItem(1, run_at=clock.now + 125)])
+    response = staff_client.get("/queues/thumbs/?state=scheduled")
+    [row] = response.context["items"]
+    assert (row["id"], row["due_in"]) == (item.id, "2 min 5 s")
+    assert {tab["state"]: tab["count"] for tab in response.context["tabs"]}["scheduled"] == 1
+    assert "Scheduled" in response.content.decode()
+
+
+def test_failed_items_say_what_failed_them_and_error_results_are_errors(staff_client, db, clocked_store, clock):
+    config = save_queue("thumbs", queue_seconds=60).config()
+    aged, canceled, raised, fine = (i.id for i in post_batch(clocked_store, "thumbs", [1, 2, 3, 4]))
+    clocked_store.cancel_item(config=config, item_id=canceled)
+    error = {"error": {"type": "ValueError", "message": "no such image", "traceback": "Traceback (most recent call last):\n  line 1\nValueError: no such image"}}
+    finish(clocked_store, config, raised, error)
+    finish(clocked_store, config, fine, {"ok": True})
+    clock.advance(61)
+    clocked_store.sweep_queue(config=config)
+
+    rows = {row["id"]: row for row in staff_client.get("/queues/thumbs/?state=done").context["items"]}
+    assert {item_id: rows[item_id]["outcome"] for item_id in (aged, canceled, raised, fine)} == {
+        aged: "timeout", canceled: "canceled", raised: "error", fine: None,
+    }
+    page = staff_client.get(f"/queues/thumbs/items/{raised}/").content.decode()
+    assert "ValueError" in page and "no such image" in page
+    assert "Traceback (most recent call last):\n  line 1" in page  # readable lines, not a JSON string
+    assert "th-traceback" in page
+
+
+def test_an_item_page_shows_its_last_error_and_links_a_retry_both_ways(staff_client, queue):
+    store = get_store()
+    [item_id] = post("thumbs", 1)
+    claim = store.claim_items(config=queue.config())[0]
+    release(store, queue.config(), item_id, claim.claim_token, error={"error": {"type": "Busy", "message": "later"}})
+    store.claim_items(config=queue.config())
+    finish(store, queue.config(), item_id, "done")
+    page = staff_client.get(f"/queues/thumbs/items/{item_id}/").content.decode()
+    assert "Last error" in page and "Busy" in page and "later" in page
+
+    response = staff_client.post(f"/queues/thumbs/items/{item_id}/retry")
+    new_id = store.read_item(queue="thumbs", item_id=item_id).retried_as
+    assert response["Location"] == f"/queues/thumbs/items/{new_id}/"
+    new_page = staff_client.get(response["Location"]).content.decode()
+    assert f'href="/queues/thumbs/items/{item_id}/"' in new_page  # retry of
+    assert f'href="/queues/thumbs/items/{new_id}/"' in staff_client.get(f"/queues/thumbs/items/{item_id}/").content.decode()
+    staff_client.post(f"/queues/thumbs/items/{item_id}/retry")
+    assert store.read_item(queue="thumbs", item_id=item_id).retried_as == new_id  # once
+
+
+def test_cancel_ends_an_item_from_the_dashboard_and_an_ended_one_is_left_alone(staff_client, queue):
+    store = get_store()
+    [item_id] = post("thumbs", 1)
+    assert "Cancel" in staff_client.get(f"/queues/thumbs/items/{item_id}/").content.decode()
+    response = staff_client.post(f"/queues/thumbs/items/{item_id}/cancel", follow=True)
+    item = store.read_item(queue="thumbs", item_id=item_id)
+    assert (item.status, item.error) == ("failed", "canceled")
+    assert b"is canceled" in response.content
+    response = staff_client.post(f"/queues/thumbs/items/{item_id}/cancel", follow=True)
+    assert b"had ended already" in response.content
+    assert b">Retry<" in staff_client.get(f"/queues/thumbs/items/{item_id}/").content

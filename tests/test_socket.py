@@ -342,7 +342,7 @@ async def test_a_results_frame_whose_one_queue_cannot_store_still_hands_in_the_o
         {"id": theirs, "accepted": True},
     ]
     assert (status("jobs", mine), status("other", theirs)) == ("pending", "finished")  # re-queued at close
-    assert not os.listdir(store.data_dir / "jobs" / "tmp")
+    assert not [n for n in os.listdir(store.data_dir / "jobs" / "tmp") if not n.startswith("spare-")]
 
 
 async def test_a_data_directory_that_cannot_be_written_is_storage_unavailable(token, settings):
@@ -660,3 +660,72 @@ async def test_a_handshake_to_any_other_path_is_refused_not_an_error(token, path
     ws = WebsocketCommunicator(application, path, headers=auth(token))
     accepted, _ = await ws.connect()
     assert accepted is False
+
+
+# ---- beyond the seed: release with delay and error, canceled, maxAttempts ------------------------
+
+
+async def test_a_release_with_a_delay_and_an_error_schedules_the_item_and_keeps_the_error(token):
+    [item_id] = post("jobs", 1)
+    async with connected(token) as ws:
+        claimed = (await ask(ws, {"op": "claim", "queue": "jobs"}))["items"][0]
+        assert claimed["maxAttempts"] is None
+        answer = await ask(ws, {"op": "release", "queue": "jobs", "id": item_id, "delay": 60, "error": "later", "ref": 1})
+        assert (answer["op"], answer["id"]) == ("released", item_id)
+        bad = await ask(ws, {"op": "release", "queue": "jobs", "id": item_id, "delay": -1})
+        assert bad["code"] == "invalid_request"
+    item = get_store().read_item(queue="jobs", item_id=item_id)
+    assert (item.status, item.last_error, item.attempts) == ("scheduled", "later", 1)
+
+
+async def test_a_canceled_item_is_told_to_the_socket_holding_it_which_holds_it_no_more(token):
+    [item_id] = post("jobs", 1)
+    async with connected(token) as ws:
+        await ask(ws, {"op": "claim", "queue": "jobs"})
+        get_store().cancel_item(config=config("jobs"), item_id=item_id)
+        told = await ws.receive_json_from(timeout=TIMEOUT)
+        assert told == {"op": "canceled", "ref": None, "queue": "jobs", "id": item_id}
+        answer = await ask(ws, {"op": "extend", "queue": "jobs", "id": item_id, "seconds": 5})
+        assert answer["code"] == "not_held"
+    item = get_store().read_item(queue="jobs", item_id=item_id)
+    assert (item.status, item.error) == ("failed", "canceled")  # closing the socket changed nothing
+
+
+async def test_the_bridge_tells_the_process_whose_socket_holds_a_canceled_item():
+    async with bridged_hubs() as (here, there):
+        told = asyncio.get_running_loop().create_future()
+        there.hold("jobs", MISSING_ID, lambda queue, item_id: told.set_result((queue, item_id)))
+        here.item_canceled("jobs", MISSING_ID)  # no socket here holds it
+        assert await asyncio.wait_for(told, TIMEOUT) == ("jobs", MISSING_ID)
+
+
+@pytest.fixture
+def one_try(queues):
+    """`jobs` hands an item out once at most."""
+    save_queue("jobs", max_attempts=1)
+    get_registry().invalidate()
+
+
+async def test_a_socket_drop_at_the_last_try_ends_the_item_max_attempts(one_try, token):
+    [item_id] = post("jobs", 1)
+    async with connected(token) as ws:
+        claimed = (await ask(ws, {"op": "claim", "queue": "jobs"}))["items"][0]
+        assert claimed["maxAttempts"] == 1
+    item = get_store().read_item(queue="jobs", item_id=item_id)
+    assert (item.status, item.error) == ("failed", "max_attempts")
+
+
+@pytest.mark.parametrize("stop", ["uvicorn's close", "daphne's cancel"])
+async def test_a_server_that_stops_gives_items_back_without_counting_the_try(one_try, token, stop):
+    [item_id] = post("jobs", 1)
+    ws = WebsocketCommunicator(application, "/work", headers=auth(token))
+    await ws.connect()
+    await ask(ws, {"op": "claim", "queue": "jobs"})
+    if stop == "uvicorn's close":
+        await ws.send_input({"type": "websocket.disconnect", "code": consumers.SERVER_STOPPING})
+        await ws.wait(timeout=TIMEOUT)
+    else:
+        ws.future.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await ws.future
+    assert status("jobs", item_id) == "pending"

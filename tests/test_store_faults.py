@@ -16,7 +16,7 @@ import pytest
 from faults import Faults
 from queues.exceptions import StorageUnavailable, TaskhosterError
 from queues.store import QueueConfig, Release, Store, files
-from store_support import Q, files_in, queue_dir
+from store_support import Q, files_in, half_written, queue_dir
 from storekit import post_batch
 
 CONFIG = QueueConfig(name=Q, lease_seconds=30, queue_seconds=600, retain_seconds=60)
@@ -57,7 +57,7 @@ def assert_whole(store: Store, plan: Faults) -> None:
     was the operation that failed (the sweep removes it in an hour)."""
     assert files_in(store, "quarantine") == [], "a reader found a half-written file"
     unremoved = {os.path.basename(path) for call, path in plan.struck if call == "unlink"}
-    assert set(files_in(store, "tmp")) <= unremoved
+    assert set(half_written(store)) <= unremoved
 
 
 class Walk:

@@ -15,7 +15,7 @@ from queues import ids
 from queues.exceptions import InvalidRequest, ItemNotFound, NotHeld, PayloadTooLarge
 from queues.store import NewItem, QueueConfig, Release, Store
 from queues.store.items import CLAIM_XATTR
-from store_support import Q, claim_one, files_in, post, queue_dir, states_of
+from store_support import Q, claim_one, files_in, half_written, post, queue_dir, states_of
 from storekit import finish, post_batch, release
 
 # ---- posting ---------------------------------------------------------------------------------
@@ -47,14 +47,14 @@ def test_a_batch_posts_every_item_with_increasing_ids(store):
     assert [i.payload for i in items] == list(range(1000))
     assert [i.id for i in items] == sorted(i.id for i in items)
     assert len(files_in(store, "pending")) == 1000
-    assert files_in(store, "tmp") == []
+    assert half_written(store) == []
 
 
 def test_a_batch_with_one_oversized_payload_writes_nothing(store):
     with pytest.raises(PayloadTooLarge, match="limit is 1024"):
         post_batch(store, Q, [{"ok": 1}, "x" * 2000, {"ok": 2}])
     assert files_in(store, "pending") == []
-    assert files_in(store, "tmp") == []
+    assert half_written(store) == []
     assert store.count_items(queue=Q).pending == 0
 
 
@@ -64,7 +64,7 @@ def test_a_bad_batch_is_refused_and_writes_nothing(store, payloads):
     with pytest.raises(InvalidRequest):
         store.post_items(config=QueueConfig(name=Q), items=items)
     assert files_in(store, "pending") == []
-    assert files_in(store, "tmp") == []
+    assert half_written(store) == []
 
 
 def test_a_bad_queue_name_is_refused_before_the_disk(store):
@@ -334,7 +334,7 @@ def test_an_oversized_result_is_refused_and_changes_nothing(store, config):
     with pytest.raises(PayloadTooLarge):
         finish(store, config, item_id, "x" * 2000)
     assert states_of(store, item_id) == ["processing"]
-    assert files_in(store, "tmp") == []
+    assert half_written(store) == []
 
 
 def test_a_batch_of_results_settles_each_item_as_one_result_would(store, clock, config):
@@ -357,7 +357,7 @@ def test_a_batch_of_results_settles_each_item_as_one_result_would(store, clock, 
     assert states_of(store, too_big) == ["pending"]
     for item_id in (held, twice, late, fresh):
         assert states_of(store, item_id) == ["done"]
-    assert files_in(store, "tmp") == []
+    assert half_written(store) == []
 
 
 def test_a_batch_of_results_may_span_queues(store, config):
@@ -440,7 +440,7 @@ def test_a_result_whose_item_moved_on_while_its_batch_was_flushed_is_settled_afr
         assert outcome.accepted
         assert (done.status, done.attempts, done.result) == ("finished", 2 if meanwhile == "claimed again" else 1, "r")
     assert states_of(store, item_id) == ["done"]
-    assert files_in(store, "tmp") == []
+    assert half_written(store) == []
 
 
 def test_a_late_result_is_refused_after_timeout(store, clock, config):

@@ -3,7 +3,7 @@ same from each live snapshot, so the two must agree: change both together."""
 
 from datetime import datetime, timezone
 
-STATES = ("pending", "processing", "finished", "failed")
+STATES = ("scheduled", "pending", "processing", "finished", "failed")
 
 
 def format_duration(seconds: float | None) -> str:
@@ -29,6 +29,16 @@ def bar_segments(counts: dict) -> list[dict]:
     return [
         {"state": state, "count": counts[state], "percent": _percent(counts[state], total)} for state in STATES
     ]
+
+
+def error_shape(value) -> dict | None:
+    """The error a result or a lastError holds, when it has the clients' error shape
+    (`{"error": {"type", "message", "traceback"}}`): drawn as an error, its traceback readable."""
+    if not (isinstance(value, dict) and set(value) == {"error"} and isinstance(value["error"], dict)):
+        return None
+    error = value["error"]
+    text = {key: error[key] for key in ("type", "message", "traceback") if isinstance(error.get(key), str)}
+    return text if "type" in text or "message" in text else None
 
 
 def chart_columns(throughput: list[dict]) -> list[dict]:

@@ -11,4 +11,6 @@ urlpatterns = [
     path("queues/<str:name>/resume", views.set_paused, {"paused": False}, name="resume"),
     path("queues/<str:name>/items/<str:item_id>/", views.item_detail, name="item"),
     path("queues/<str:name>/items/<str:item_id>/requeue", views.requeue_item, name="requeue"),
+    path("queues/<str:name>/items/<str:item_id>/retry", views.retry_item, name="retry"),
+    path("queues/<str:name>/items/<str:item_id>/cancel", views.cancel_item, name="cancel"),
 ]

@@ -13,18 +13,18 @@ from django.urls import reverse
 from django.utils.http import url_has_allowed_host_and_scheme
 from django.views.decorators.http import require_POST, require_safe
 
-from ..exceptions import ItemNotFound, NotHeld, StorageUnavailable
+from ..exceptions import ItemNotFound, NotEnded, NotHeld, StorageUnavailable
 from ..ids import iso
 from ..models import Queue
 from ..runtime import get_registry, get_store
 from ..services import save_queue
-from ..store import Item, Release, single
+from ..store import ABSENT, Item, Release, single
 from .consumers import LIVE_PATH
-from .display import STATES, bar_segments, blank_row, format_duration, format_time, queue_row
+from .display import STATES, bar_segments, blank_row, error_shape, format_duration, format_time, queue_row
 from .snapshot import take_snapshot
 
 PAGE_SIZE = 50
-LIST_STATES = {"pending": "Pending", "processing": "Processing", "done": "Done"}
+LIST_STATES = {"scheduled": "Scheduled", "pending": "Pending", "processing": "Processing", "done": "Done"}
 
 
 def staff_required(view):
@@ -86,7 +86,10 @@ def queue_items(request, name: str):
     counts = store.count_items(queue=name)
     now = store.clock()
     by_state = {key: getattr(counts, key) for key in STATES}
-    by_list = {"pending": counts.pending, "processing": counts.processing, "done": counts.finished + counts.failed}
+    by_list = {
+        "scheduled": counts.scheduled, "pending": counts.pending, "processing": counts.processing,
+        "done": counts.finished + counts.failed,
+    }
     return _render(
         request,
         "dashboard/queue.html",
@@ -134,7 +137,10 @@ def item_detail(request, name: str, item_id: str):
             "item": _item_row(item, now),
             "payload": _pretty(item.payload),
             "result": _pretty(item.result) if item.status == "finished" else None,
+            "result_error": error_shape(item.result) if item.status == "finished" else None,
             "error": item.error,
+            "last_error": None if item.last_error is ABSENT else _pretty(item.last_error),
+            "last_error_shape": None if item.last_error is ABSENT else error_shape(item.last_error),
         },
     )
 
@@ -155,6 +161,46 @@ def requeue_item(request, name: str, item_id: str):
         messages.error(request, f"Item {item_id} was not re-queued: {exc.message}")
     else:
         messages.success(request, f"Item {item_id} is pending again; the next claim can take it.")
+    return _back(request, reverse("dashboard:item", args=[name, item_id]))
+
+
+@require_POST
+@staff_required
+def retry_item(request, name: str, item_id: str):
+    queue = _find_queue(name)
+    if queue is None:
+        return _no_queue(request, name)
+    try:
+        new, made = get_store().retry_item(config=queue.config(), item_id=item_id)
+    except ItemNotFound:
+        return _gone(request, queue, item_id)
+    except (NotEnded, StorageUnavailable) as exc:
+        messages.error(request, f"Item {item_id} was not retried: {exc.message}")
+        return _back(request, reverse("dashboard:item", args=[name, item_id]))
+    if made:
+        messages.success(request, f"Item {item_id} is posted again as item {new.id}.")
+    else:
+        messages.info(request, f"Item {item_id} was retried before, as item {new.id}.")
+    return HttpResponseRedirect(reverse("dashboard:item", args=[name, new.id]))
+
+
+@require_POST
+@staff_required
+def cancel_item(request, name: str, item_id: str):
+    queue = _find_queue(name)
+    if queue is None:
+        return _no_queue(request, name)
+    try:
+        item, canceled = get_store().cancel_item(config=queue.config(), item_id=item_id)
+    except ItemNotFound:
+        return _gone(request, queue, item_id)
+    except StorageUnavailable as exc:
+        messages.error(request, f"Item {item_id} was not canceled: {exc.message}")
+    else:
+        if canceled:
+            messages.success(request, f"Item {item_id} is canceled: it failed, and no result will be taken.")
+        else:
+            messages.warning(request, f"Item {item_id} had ended already ({item.status}), so it was not canceled.")
     return _back(request, reverse("dashboard:item", args=[name, item_id]))
 
 
@@ -192,9 +238,17 @@ def _back(request, default: str) -> HttpResponseRedirect:
 
 
 def _item_row(item: Item, now: float) -> dict:
+    shape = error_shape(item.result) if item.status == "finished" else None
     return {
         "id": item.id,
         "status": item.status,
+        # what failed it (the server's error), or that its result is an error the handler raised
+        "outcome": item.error if item.status == "failed" else ("error" if shape else None),
+        "ended": item.terminal,
+        "run_at": _moment(item.run_at),
+        "due_in": None if item.run_at is None else format_duration(max(0.0, item.run_at - now)),
+        "retry_of": item.retry_of,
+        "retried_as": item.retried_as,
         "attempts": item.attempts,
         "posted": _moment(item.posted_at),
         "age": format_duration(now - item.posted_at),

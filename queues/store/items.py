@@ -291,9 +291,13 @@ class ItemFiles:
 
     # ---- ending -----------------------------------------------------------------------------
 
-    def link_done(self, queue: str, done: Item, tmp: str) -> bool:
+    def link_done(self, queue: str, state: str, done: Item, tmp: str) -> bool:
         """Link a done file written to tmp/ into done/ (not yet flushed); False if done/ already
-        has the item. Call under its lock, and flush done/ (and failed/) before answering."""
+        has the item. Call under its lock, and flush done/ (and failed/) before answering. An
+        item that ends from scheduled/ is marked due now, so a crash before its old file is
+        removed is settled by the next look for due items (the sweep lists no scheduled/)."""
+        if state == "scheduled":
+            self.schedule.mark(queue, done.id, self.clock())
         mark = self.layout.mark(queue, "failed", done.id) if done.status == "failed" else None
         if mark is not None:
             try:
@@ -319,7 +323,7 @@ class ItemFiles:
         """After done/ was flushed: remove the items' old files, count them, and say they ended."""
         for state, done in moved:
             try:
-                files.remove(self.layout.item(queue, state, done.id))
+                files.discard(self.layout.item(queue, state, done.id), spare_in=self.layout.directory(queue, "tmp"))
             except OSError:  # done wins over the copy left, and the sweep removes it
                 log.warning("could not remove the old file of %s in %s", done.id, queue, exc_info=True)
             self.tallies.count(queue, done.status, done.finished_at)
@@ -331,7 +335,7 @@ class ItemFiles:
         tmp = self.write_aside(queue, done, mtime=done.finished_at)
         try:
             self.flush_files([tmp])
-            linked = self.link_done(queue, done, tmp)
+            linked = self.link_done(queue, state, done, tmp)
         finally:
             files.remove_quietly(tmp)
         if not linked:

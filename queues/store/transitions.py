@@ -340,7 +340,7 @@ class Store:
             if not self._items.end(queue, again.state, again.done):
                 return FinishOutcome(item_id, False, self._items.done_status(queue, item_id))
             return again.outcome
-        if not self._items.link_done(queue, settling.done, tmp):
+        if not self._items.link_done(queue, settling.state, settling.done, tmp):
             return FinishOutcome(item_id, False, self._items.done_status(queue, item_id))
         return None
 

@@ -6,7 +6,7 @@
   const root = document.querySelector("[data-dashboard]");
   if (!root) return;
 
-  const STATES = ["pending", "processing", "finished", "failed"];
+  const STATES = ["scheduled", "pending", "processing", "finished", "failed"];
   const MAX_RETRY_MS = 30000;
   const rows = root.querySelector("[data-rows]");
   const table = rows.closest("table");
