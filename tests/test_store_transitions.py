@@ -639,3 +639,35 @@ def test_a_single_post_claimed_before_its_flush_ended_is_answered_and_on_disk(tm
     assert [c.id for c in taken] == [item.id]
     assert flushed[-1] == "processing"  # where the item is named now
     assert states_of(store, item.id) == ["processing"]
+
+
+def test_a_single_post_may_be_claimed_while_it_is_flushed(tmp_path, clock, config, monkeypatch):
+    """A worker's part of a round trip overlaps the post's wait for the disk: the item is in view
+    of this process's claims, and waiting claims are told, before the post's flush ends."""
+    from queues.store import files
+
+    told = []
+
+    class Events:
+        def items_available(self, queue, count):
+            told.append(count)
+
+        def items_terminal(self, queue, item_ids):
+            pass
+
+        def item_canceled(self, queue, item_id):
+            pass
+
+    store = Store(tmp_path / "data", fsync=True, clock=clock, events=Events())
+    store.ensure_queue(Q)
+    claimed = []
+
+    def claim_during_the_flush(call, path):
+        if call == "fsync" and "/pending/" in path and not claimed:
+            assert told == [1]
+            claimed.extend(store.claim_items(config=config))
+
+    monkeypatch.setattr(files, "fault", claim_during_the_flush)
+    (item,) = post_batch(store, Q, ["x"])
+    assert [c.id for c in claimed] == [item.id]
+    assert states_of(store, item.id) == ["processing"]

@@ -187,7 +187,11 @@ class ItemFiles:
         behind when it raises. A batch's files are flushed before any is moved in, so a batch
         shows whole or not at all, and a scheduled item's mark is on disk before the item shows;
         a single pending item is moved in first and flushed there, which on some file systems
-        (ext4 without a journal) also flushes the directory that names it, one flush fewer."""
+        (ext4 without a journal) also flushes the directory that names it, one flush fewer.
+
+        Pending items are in view for this process's claims, and waiting claims told, as soon as
+        they may be claimed: a single one while it is flushed, so a worker's part overlaps the
+        disk's (were the flush to fail, the item is taken back out, from a claim too)."""
         if len(items) == 1 and items[0].status == "pending":
             self._publish_one(queue, items[0])
             return
@@ -216,6 +220,12 @@ class ItemFiles:
             for item in moved:
                 self._take_back(queue, item.status, item.id)
             raise
+        self._claimable(queue, [item.id for item in items if item.status == "pending"])
+
+    def _claimable(self, queue: str, item_ids: list[str]) -> None:
+        if item_ids:
+            self.index(queue).push(item_ids)
+            self.events.items_available(queue, len(item_ids))
 
     def _publish_one(self, queue: str, item: Item) -> None:
         """A single pending item: moved in, then flushed through the descriptor it was written
@@ -228,6 +238,7 @@ class ItemFiles:
             with files.opened(written) as fd:
                 files.move(written, pending)
                 moved = True
+                self._claimable(queue, [item.id])
                 if self.fsync:
                     files.flush_open(fd, pending)
                     if files.exists(pending):

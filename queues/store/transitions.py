@@ -161,10 +161,6 @@ class Store:
             new_ids = self._ids.new_ids(len(items), now)
             made = [_made(item_id, queue, new, now) for item_id, new in zip(new_ids, items)]
             self._items.publish(queue, made)
-        pending = [item.id for item in made if item.status == "pending"]
-        if pending:
-            self._items.index(queue).push(pending)
-            self._items.events.items_available(queue, len(pending))
         return made
 
     @staticmethod
@@ -411,8 +407,6 @@ class Store:
             self.ensure_queue(queue)
             new = Item(id=new_id, queue=queue, status="pending", payload=old.payload, retry_of=item_id)
             self._items.publish(queue, [new])
-        self._items.index(queue).push([new_id])
-        self._items.events.items_available(queue, 1)
         return new, True
 
     def cancel_item(self, *, config: QueueConfig, item_id: str) -> tuple[Item, bool]:
