@@ -68,7 +68,7 @@ class _Settling:
     """A result about to end an item: the state it was read in and the done content."""
 
     state: str
-    item: Item  # as it was read: if it changed before the done file is linked, settle afresh
+    identity: tuple[int, int, int]  # of its file when read: if it changed before the link, settle afresh
     done: Item
     outcome: FinishOutcome
 
@@ -286,10 +286,11 @@ class Store:
         if state == "done":
             return FinishOutcome(item_id, False, item.status)
         now = self.clock()
+        identity = files.identity(self._items.layout.item(config.name, state, item_id))
         if now - item.posted_at > config.queue_seconds:
-            return _Settling(state, item, timed_out(item, now), FinishOutcome(item_id, False, "failed"))
+            return _Settling(state, identity, timed_out(item, now), FinishOutcome(item_id, False, "failed"))
         done = ended(item, status="finished", at=now, result=result)
-        return _Settling(state, item, done, FinishOutcome(item_id, True, "finished"))
+        return _Settling(state, identity, done, FinishOutcome(item_id, True, "finished"))
 
     def _link_all(self, results: list[Result], prepared: list[tuple[int, _Settling, str]], outcomes: list) -> None:
         try:
@@ -328,7 +329,7 @@ class Store:
         """Link a prepared done file if its item is still as it was read (None: linked, to be
         flushed); else settle the item afresh, durably (its outcome). Call under the lock."""
         queue, item_id = config.name, settling.done.id
-        if self._items.find(queue, item_id) != (settling.state, settling.item):
+        if not self._unchanged(queue, settling):
             # claimed, re-queued, extended or ended meanwhile
             again = self._settling(config, item_id, result)
             if isinstance(again, FinishOutcome):
@@ -339,6 +340,16 @@ class Store:
         if not self._items.link_done(queue, settling.state, settling.done, tmp):
             return FinishOutcome(item_id, False, self._items.done_status(queue, item_id))
         return None
+
+    def _unchanged(self, queue: str, settling: _Settling) -> bool:
+        """Whether the item is still as `settling` read it: no transition replaced its file or
+        moved its lease (a claim, an extension, a re-queue) and done/ has none."""
+        layout = self._items.layout
+        try:
+            same = files.identity(layout.item(queue, settling.state, settling.done.id)) == settling.identity
+        except FileNotFoundError:
+            return False
+        return same and not files.exists(layout.item(queue, "done", settling.done.id))
 
     def release_items(self, *, releases: list[Release]) -> list[Item | TaskhosterError]:
         """Give processing items back (see `requeue`): to pending now, or scheduled after a delay,
