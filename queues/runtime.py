@@ -1,8 +1,8 @@
 """The process-wide objects built from settings, made once and lazily, and where store calls run.
 
 Async code calls the store through `run`, and only here is it decided where each call runs:
-- reads on the event loop: a read is a few small file operations and never waits for a flush, so
-  a hop to a thread and back would cost more than it does;
+- reads and claims on the event loop: each is a few small file operations, never waits for a
+  flush or for a large directory to be listed, and costs less than a hop to a thread and back;
 - the other transitions in the store's threads, since they wait for the disk to flush; concurrent
   posts and results there share their flushes (see store.files);
 - calls that may read whole directories (counts, listings, health, sweeps) in threads of their
@@ -22,7 +22,7 @@ from .store import Store
 
 STORE_THREADS = 16  # enough for many concurrent posts and results to wait for one flush together
 SCAN_THREADS = 2
-ON_LOOP = frozenset({"read_item"})
+ON_LOOP = frozenset({"read_item", "claim_items"})
 SCANS = frozenset({"count_items", "list_items", "throughput", "check_health", "sweep_queue", "take_snapshot"})
 
 

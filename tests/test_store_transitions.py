@@ -671,3 +671,37 @@ def test_a_single_post_may_be_claimed_while_it_is_flushed(tmp_path, clock, confi
     (item,) = post_batch(store, Q, ["x"])
     assert [c.id for c in claimed] == [item.id]
     assert states_of(store, item.id) == ["processing"]
+
+
+def test_a_claim_never_waits_for_a_large_directory_to_be_listed(tmp_path, clock, config, monkeypatch):
+    """A fresh process over a large pending directory lists it in the background: its claims find
+    nothing meanwhile (they may run on the event loop), and waiting claims are told once the
+    listing is in."""
+    from queues.store.pending import PendingIndex
+
+    builder = Store(tmp_path / "data", fsync=False, clock=clock)
+    posted = [item.id for start in range(0, 3000, 1000) for item in post_batch(builder, Q, list(range(start, start + 1000)))]
+    assert os.stat(queue_dir(builder) / "pending").st_size > 64 << 10  # a large directory
+    listed, told = threading.Event(), threading.Event()
+    real_listing = PendingIndex._oldest_in_directory
+
+    def slow_listing(index):
+        listed.wait(10)
+        return real_listing(index)
+
+    class Events:
+        def items_available(self, queue, count):
+            told.set()
+
+        def items_terminal(self, queue, item_ids):
+            pass
+
+        def item_canceled(self, queue, item_id):
+            pass
+
+    monkeypatch.setattr(PendingIndex, "_oldest_in_directory", slow_listing)
+    fresh = Store(tmp_path / "data", fsync=False, clock=clock, events=Events())
+    assert fresh.claim_items(config=config, max_items=5) == []  # did not wait for the listing
+    listed.set()
+    assert told.wait(10)
+    assert [item.id for item in fresh.claim_items(config=config, max_items=5)] == posted[:5]

@@ -96,6 +96,7 @@ class ItemFiles:
             if queue not in self._locks:
                 self._locks[queue] = QueueLocks.for_file(self.layout.lock_file(queue))
         self._ready.add(queue)
+        self.index(queue).warm()  # so a first claim finds what is pending
 
     def forget_queue(self, queue: str) -> None:
         """Drop what this process keeps about a queue (it is being deleted)."""
@@ -121,8 +122,13 @@ class ItemFiles:
         index = self._indexes.get(queue)
         if index is None:
             with self._setup_lock:
-                directory = self.layout.directory(queue, "pending")
-                index = self._indexes.setdefault(queue, PendingIndex(directory, capacity=self.index_capacity))
+                index = self._indexes.get(queue)
+                if index is None:
+                    index = self._indexes[queue] = PendingIndex(
+                        self.layout.directory(queue, "pending"),
+                        capacity=self.index_capacity,
+                        on_found=lambda count: self.events.items_available(queue, count),
+                    )
         return index
 
     # ---- reading ----------------------------------------------------------------------------

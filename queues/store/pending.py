@@ -1,11 +1,14 @@
 """This process's view of a queue's oldest pending ids, so a claim never lists the directory.
 
 Items posted or re-queued here are pushed as they go. The directory is listed again when the view
-runs dry (`refill`, which the claim waits for), and in a background thread now and then (rarely
-for a large directory) to pick up what other processes posted or re-queued; claims go on
-meanwhile. Only about `capacity` of the oldest ids are kept: ids at or past the horizon may be
-left out, and a later listing finds them. The directory is the truth; the view only saves
-listing it, so a stale id costs one failed rename.
+runs dry (`refill`), and in a background thread now and then (rarely for a large directory) to
+pick up what other processes posted or re-queued; claims go on meanwhile. A claim never waits for
+a large directory to be listed, so it may run on the event loop: a small directory (its entries in
+a few blocks) is listed at once, a large one in the background, and `on_found` is told when that
+listing fills an empty view, so claims waiting for items try again. Only about `capacity` of the
+oldest ids are kept: ids at or past the horizon may be left out, and a later listing finds them.
+The directory is the truth; the view only saves listing it, so a stale id costs one failed
+rename.
 """
 
 import heapq
@@ -13,7 +16,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from . import files
 from .layout import ITEM_SUFFIX
@@ -22,14 +25,18 @@ SUFFIX_LENGTH = len(ITEM_SUFFIX)
 
 CAPACITY = 100_000  # pending ids one process keeps in memory per queue
 _CHUNK = 10_000  # names handled at once, so a large directory never costs much memory
+# a directory whose entries take no more than this (its size) is listed at once: a thousand
+# names or so, a fraction of a millisecond
+SMALL_DIRECTORY_BYTES = 64 << 10
 
 log = logging.getLogger(__name__)
 
 
 class PendingIndex:
-    def __init__(self, directory: str, *, capacity: int = CAPACITY):
+    def __init__(self, directory: str, *, capacity: int = CAPACITY, on_found: Callable[[int], None] = lambda n: None):
         self._directory = directory
         self._capacity = capacity
+        self._on_found = on_found
         self._lock = threading.Lock()  # guards every field below
         self._heap: list[str] = []
         self._horizon: str | None = None  # None: nothing was left out
@@ -60,18 +67,34 @@ class PendingIndex:
         with self._lock:
             if not self._heap:
                 return None
-            if not self._in_background and self._due():
-                self._in_background = True
-                threading.Thread(target=self._refresh_in_background, daemon=True).start()
+            if self._due():
+                self._list_in_background()
             return heapq.heappop(self._heap)
 
     def refill(self) -> None:
-        """List the directory now, unless another thread's listing refilled the view meanwhile."""
+        """Fill an empty view: list the directory now if it is small, else in the background."""
+        info = files.status(self._directory)
+        if info is not None and info.st_size > SMALL_DIRECTORY_BYTES:
+            with self._lock:
+                self._list_in_background()
+            return
         with self._listing_lock:
             with self._lock:
                 if self._heap:
-                    return
+                    return  # another thread's listing refilled it meanwhile
             self._relist()
+
+    def warm(self) -> None:
+        """Start listing the directory in the background, unless it was listed."""
+        with self._lock:
+            if self._listed_at == float("-inf"):
+                self._list_in_background()
+
+    def _list_in_background(self) -> None:
+        """Call holding `_lock`."""
+        if not self._in_background:
+            self._in_background = True
+            threading.Thread(target=self._refresh_in_background, daemon=True).start()
 
     def _due(self) -> bool:
         age = time.monotonic() - self._listed_at
@@ -83,7 +106,13 @@ class PendingIndex:
     def _refresh_in_background(self) -> None:
         try:
             with self._listing_lock:
+                with self._lock:
+                    was_empty = not self._heap
                 self._relist()
+            with self._lock:
+                found = len(self._heap)
+            if was_empty and found:
+                self._on_found(found)
         except Exception:  # the next claim that finds the view empty lists again
             log.exception("listing %s failed", self._directory)
         finally:

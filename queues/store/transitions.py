@@ -184,7 +184,9 @@ class Store:
         """Claim up to `max_items` pending items, oldest first, each under a lease and a claim
         token of its own. A paused queue hands out nothing. A disk failure after some items were
         claimed ends the claim early with those. Items past their queue timeout are left for the
-        sweep to fail."""
+        sweep to fail. A claim never waits for a flush or for a large directory to be listed (it
+        finds nothing until the listing, in the background, is done), so it may run on the event
+        loop."""
         if config.paused:
             return []
         queue = config.name
