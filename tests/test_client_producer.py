@@ -1,5 +1,6 @@
 """The producer client: batching, long-polling for results, errors; against a stub server
-where the request shape is the point, against a live server for the round trips."""
+where the request shape is the point, against a live server for the round trips. How the
+connections behave (keep-alive, a server's close, TLS, framing) is tests/test_client_wire.py."""
 
 import asyncio
 import subprocess
