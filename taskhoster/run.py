@@ -14,7 +14,7 @@ from collections.abc import Coroutine
 
 from .claims import Claims
 from .connection import Connection
-from .jobs import Handler, Job, error_result, handler_caller
+from .jobs import Handler, HandlerThreads, Job, error_result, handler_caller
 from .leases import Leases, release
 from .link import Link
 from .outbox import Outbox
@@ -30,7 +30,8 @@ class Run:
     def __init__(self, handler: Handler, *, url: str, token: str, queues: list[str], concurrency: int,
                  on_error: str, grace: float):
         self.loop = asyncio.get_running_loop()
-        self._call_handler = handler_caller(handler)
+        self._threads = HandlerThreads()
+        self._call_handler = handler_caller(handler, self._threads)
         self._on_error = on_error
         self._claims = Claims(self, queues, concurrency, url)
         self._shutdown = Shutdown(grace, stop_claiming=self._claims.stop, busy=self.busy,
@@ -54,6 +55,7 @@ class Run:
             self._outbox.stop()
             for task in self._handlers.values():
                 task.cancel()
+            self._threads.close()
         if self._fatal is not None:
             raise self._fatal
 
