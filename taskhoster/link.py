@@ -43,11 +43,14 @@ class Link:
         if self._closed:
             raise LinkClosed()
         ref = str(next(self._refs))
-        answer = asyncio.get_running_loop().create_future()
-        self._waiting[ref] = answer
+        text = json.dumps({**frame, "ref": ref}, separators=(",", ":"))
+        loop = asyncio.get_running_loop()
+        answer = self._waiting[ref] = loop.create_future()
+        # a timer that ends the wait: asyncio.wait_for would add a future and two callbacks to each
+        timer = loop.call_later(timeout, _give_up, answer)
         try:
-            await self.socket.send(json.dumps({**frame, "ref": ref}, separators=(",", ":")))
-            reply = await asyncio.wait_for(answer, timeout)
+            await self.socket.send(text)
+            reply = await answer
         except ConnectionClosed as exc:
             raise LinkClosed() from exc
         except TimeoutError as exc:
@@ -55,6 +58,7 @@ class Link:
             await self.socket.close()
             raise LinkClosed() from exc
         finally:
+            timer.cancel()
             self._waiting.pop(ref, None)
         if reply is None:
             raise LinkClosed()
@@ -85,3 +89,8 @@ class Link:
             for waiter in self._waiting.values():
                 if not waiter.done():
                     waiter.set_result(None)
+
+
+def _give_up(answer: asyncio.Future) -> None:
+    if not answer.done():
+        answer.set_exception(TimeoutError())
