@@ -1,5 +1,5 @@
 """What a worker's handler sees and how it is called: the `Job` beside the payload, plain
-functions in their own threads, exceptions turned into in-band error results."""
+functions in threads kept for them, exceptions turned into in-band error results."""
 
 import asyncio
 import inspect
@@ -59,9 +59,10 @@ def error_result(exc: BaseException) -> dict:
     return {"error": {"type": type(exc).__name__, "message": str(exc), "traceback": text[-TRACEBACK_TAIL_CHARS:]}}
 
 
-def encoded_size(result: Any) -> int:
-    """The result's size as JSON; raises TypeError or ValueError if it is not JSON."""
-    return len(json.dumps(result, allow_nan=False, separators=(",", ":")))
+def encode(result: Any) -> str:
+    """The result as JSON, as the server takes it; raises TypeError or ValueError if it is not
+    JSON (NaN and infinities are not)."""
+    return json.dumps(result, allow_nan=False, separators=(",", ":"))
 
 
 def is_async(handler: Callable) -> bool:

@@ -36,14 +36,17 @@ class Link:
         """The socket has closed: no request over it can be answered any more."""
         return self._closed
 
-    async def request(self, frame: dict, *, timeout: float = ANSWER_SECONDS) -> dict:
-        """Send the frame and return the server's answer to it. An error frame raises ApiError
-        (`status` None); a socket that closes first, or no answer within `timeout` seconds,
-        raises LinkClosed."""
+    async def request(self, frame: dict | str, *, timeout: float = ANSWER_SECONDS) -> dict:
+        """Send the frame (a dict, or its JSON text when parts of it were encoded before) and
+        return the server's answer to it. An error frame raises ApiError (`status` None); a socket
+        that closes first, or no answer within `timeout` seconds, raises LinkClosed."""
         if self._closed:
             raise LinkClosed()
         ref = str(next(self._refs))
-        text = json.dumps({**frame, "ref": ref}, separators=(",", ":"))
+        if isinstance(frame, str):
+            text = f'{frame[:-1]},"ref":"{ref}"}}'
+        else:
+            text = json.dumps({**frame, "ref": ref}, separators=(",", ":"))
         loop = asyncio.get_running_loop()
         answer = self._waiting[ref] = loop.create_future()
         # a timer that ends the wait: asyncio.wait_for would add a future and two callbacks to each
@@ -54,7 +57,8 @@ class Link:
         except ConnectionClosed as exc:
             raise LinkClosed() from exc
         except TimeoutError as exc:
-            log.warning("no answer to %r in %g s; closing the socket to connect again", frame.get("op"), timeout)
+            op = text.partition('"op":"')[2].partition('"')[0]
+            log.warning("no answer to %r in %g s; closing the socket to connect again", op, timeout)
             await self.socket.close()
             raise LinkClosed() from exc
         finally:

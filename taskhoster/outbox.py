@@ -1,12 +1,14 @@
 """Results not yet acknowledged: handed in one frame at a time, many to a frame, and kept until
-the server has answered for each."""
+the server has answered for each. Each result is encoded to JSON once, when it comes in; frames
+are put together from those texts."""
 
 import asyncio
+import json
 import logging
 from typing import TYPE_CHECKING, Any
 
 from .errors import ApiError
-from .jobs import Job, encoded_size
+from .jobs import Job, encode
 from .link import Link, LinkClosed
 
 if TYPE_CHECKING:
@@ -28,7 +30,7 @@ class Outbox:
 
     def __init__(self, run: "Run"):
         self._run = run
-        self._results: dict[str, tuple[str, Any, int]] = {}  # id -> queue, result, size
+        self._results: dict[str, tuple[str, Any, str]] = {}  # id -> queue, result, the result as JSON
         self._sending: asyncio.Task | None = None  # the frame waiting for its answer
         self._resting: set[str] = set()  # ids the server could not store: not sent until
         self._rest_timer: asyncio.TimerHandle | None = None  # this fires and frees them all
@@ -41,7 +43,7 @@ class Outbox:
 
     def add(self, job: Job, result: Any) -> None:
         """Raises TypeError or ValueError, and keeps nothing, if the result is not JSON."""
-        self._results[job.id] = (job.queue, result, encoded_size(result))
+        self._results[job.id] = (job.queue, result, encode(result))
 
     def hand_in(self, link: Link) -> None:
         """Hand in the results not yet acknowledged, one frame at a time: results that finish
@@ -72,18 +74,18 @@ class Outbox:
             if not self._run.failed:  # a hand-in that failed for good must not be sent again and again
                 self._run.nudge()
 
-    def _next_batch(self) -> list[tuple[str, str, Any]]:
+    def _next_batch(self) -> list[tuple[str, str, Any, str]]:
         batch, total = [], 0
-        for item_id, (queue, result, size) in self._results.items():
+        for item_id, (queue, result, text) in self._results.items():
             if item_id in self._resting:
                 continue
-            if batch and (len(batch) == BATCH_ITEMS or total + size > BATCH_BYTES):
+            if batch and (len(batch) == BATCH_ITEMS or total + len(text) > BATCH_BYTES):
                 break
-            batch.append((item_id, queue, result))
-            total += size
+            batch.append((item_id, queue, result, text))
+            total += len(text)
         return batch
 
-    async def _hand_in_batch(self, link: Link, batch: list[tuple[str, str, Any]]) -> None:
+    async def _hand_in_batch(self, link: Link, batch: list[tuple[str, str, Any, str]]) -> None:
         try:
             if len(batch) == 1:
                 await self._hand_in_one(link, *batch[0])
@@ -92,13 +94,13 @@ class Outbox:
         except LinkClosed:
             pass  # kept for the next socket
 
-    async def _hand_in_many(self, link: Link, batch: list[tuple[str, str, Any]]) -> None:
-        frame = {"op": "results", "items": [{"queue": q, "id": i, "result": r} for i, q, r in batch]}
+    async def _hand_in_many(self, link: Link, batch: list[tuple[str, str, Any, str]]) -> None:
+        frame = '{"op":"results","items":[' + ",".join(_entry(i, q, t) for i, q, _, t in batch) + "]}"
         try:
             answer = await link.request(frame)
         except ApiError as exc:
             if exc.code in PASSING_RESULT_ERRORS:
-                self._rest([item_id for item_id, _, _ in batch], str(exc))
+                self._rest([item_id for item_id, _, _, _ in batch], str(exc))
                 return
             # refused as a whole (one result too large, say): hand each in alone to find it
             for entry in batch:
@@ -106,7 +108,7 @@ class Outbox:
             return
         acks = answer.get("items") or []
         unstored = []
-        for index, (item_id, queue, result) in enumerate(batch):
+        for index, (item_id, queue, result, _) in enumerate(batch):
             ack = acks[index] if index < len(acks) else {}
             error = ack.get("error")
             if error in PASSING_RESULT_ERRORS:
@@ -119,9 +121,9 @@ class Outbox:
         if unstored:
             self._rest(unstored, "storage_unavailable")
 
-    async def _hand_in_one(self, link: Link, item_id: str, queue: str, result: Any) -> None:
+    async def _hand_in_one(self, link: Link, item_id: str, queue: str, result: Any, text: str) -> None:
         try:
-            ack = await link.request({"op": "result", "queue": queue, "id": item_id, "result": result})
+            ack = await link.request('{"op":"result",' + _entry(item_id, queue, text)[1:])
         except ApiError as exc:
             if exc.code == "payload_too_large" and self._too_large(item_id, queue, result, exc.message):
                 return
@@ -136,7 +138,8 @@ class Outbox:
         in next (True), unless the result is an error result already."""
         if _is_error_result(result):
             return False
-        self._results[item_id] = (queue, {"error": {"type": "PayloadTooLarge", "message": message}}, 0)
+        error = {"error": {"type": "PayloadTooLarge", "message": message}}
+        self._results[item_id] = (queue, error, encode(error))
         return True
 
     def _rest(self, item_ids: list[str], reason: str) -> None:
@@ -158,6 +161,11 @@ class Outbox:
         self._results.pop(item_id, None)
         if not ack.get("accepted"):
             log.info("result for %s not accepted (%s)", item_id, ack.get("error", "already finished or timed out"))
+
+
+def _entry(item_id: str, queue: str, text: str) -> str:
+    """One result as the server takes it, its result already JSON."""
+    return '{"queue":' + json.dumps(queue) + ',"id":' + json.dumps(item_id) + ',"result":' + text + "}"
 
 
 def _is_error_result(result: Any) -> bool:

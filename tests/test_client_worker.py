@@ -2,6 +2,7 @@
 and the end-to-end runs (two worker processes, a killed worker, a restarted server)."""
 
 import asyncio
+import json
 import logging
 import signal
 import subprocess
@@ -84,6 +85,11 @@ def wait_until(condition, timeout: float = 20.0, what: str = "the condition") ->
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.02)
+
+
+def frame_of(frame: dict | str) -> dict:
+    """A frame the worker hands Link.request, as a dict (result frames come as JSON text)."""
+    return json.loads(frame) if isinstance(frame, str) else frame
 
 
 @contextmanager
@@ -219,7 +225,8 @@ def test_results_that_finish_together_go_in_one_results_frame(live, producer, mo
     request = Link.request
 
     async def recording(self, frame, **options):
-        frames.append((frame["op"], len(frame.get("items", [])) if frame["op"] == "results" else 1))
+        shown = frame_of(frame)
+        frames.append((shown["op"], len(shown.get("items", [])) if shown["op"] == "results" else 1))
         return await request(self, frame, **options)
 
     monkeypatch.setattr(Link, "request", recording)
@@ -249,10 +256,11 @@ def disk_full_for_two_hand_ins(monkeypatch, refusal: str = "error frame") -> lis
     request = Link.request
 
     async def refusing(self, frame, **options):
-        if frame["op"] not in ("result", "results"):
+        shown = frame_of(frame)
+        if shown["op"] not in ("result", "results"):
             return await request(self, frame, **options)
-        ids = [entry["id"] for entry in frame.get("items", [frame])]
-        sent.append((frame["op"], sorted(ids)))
+        ids = [entry["id"] for entry in shown.get("items", [shown])]
+        sent.append((shown["op"], sorted(ids)))
         if len(sent) > 2:
             return await request(self, frame, **options)
         if refusal == "acks":
@@ -299,9 +307,10 @@ def test_a_result_the_server_could_not_store_rests_while_later_results_go_in(liv
     request = Link.request
 
     async def refusing_the_first(self, frame, **options):
-        if frame["op"] not in ("result", "results"):
+        shown = frame_of(frame)
+        if shown["op"] not in ("result", "results"):
             return await request(self, frame, **options)
-        hand_ins.append((time.monotonic(), [entry["id"] for entry in frame.get("items", [frame])]))
+        hand_ins.append((time.monotonic(), [entry["id"] for entry in shown.get("items", [shown])]))
         if len(hand_ins) == 1:
             raise ApiError("storage_unavailable", "the data directory cannot be written: No space left on device")
         return await request(self, frame, **options)
@@ -356,9 +365,10 @@ def recording_claims(monkeypatch) -> list[tuple[int, int, int]]:
     request = Link.request
 
     async def recording(self, frame, **options):
+        shown = frame_of(frame)
         answer = await request(self, frame, **options)
-        if frame["op"] == "claim":
-            claims.append((frame["max"], frame["wait"], len(answer["items"])))
+        if shown["op"] == "claim":
+            claims.append((shown["max"], shown["wait"], len(answer["items"])))
         return answer
 
     monkeypatch.setattr(Link, "request", recording)
@@ -371,8 +381,9 @@ def test_slots_that_free_up_together_are_claimed_together(live, producer, monkey
     request = Link.request  # the recording one: handed-in results are counted on top
 
     async def counting(self, frame, **options):
-        if frame["op"] in ("result", "results"):
-            frames.append(len(frame.get("items", [frame])))
+        shown = frame_of(frame)
+        if shown["op"] in ("result", "results"):
+            frames.append(len(shown.get("items", [shown])))
         return await request(self, frame, **options)
 
     monkeypatch.setattr(Link, "request", counting)
@@ -483,8 +494,9 @@ def test_a_claim_that_was_waiting_when_the_stop_came_gives_its_items_back(live, 
     request = Link.request
 
     async def recording(self, frame, **options):
-        if frame["op"] == "claim":
-            waits.append(frame["wait"])
+        shown = frame_of(frame)
+        if shown["op"] == "claim":
+            waits.append(shown["wait"])
         return await request(self, frame, **options)
 
     monkeypatch.setattr(Link, "request", recording)
@@ -721,8 +733,9 @@ def test_a_hand_in_that_fails_for_good_stops_the_worker_and_is_not_sent_again(li
     request = Link.request
 
     async def broken_hand_in(self, frame, **options):
-        if frame["op"] in ("result", "results"):
-            sent.append(frame["op"])
+        shown = frame_of(frame)
+        if shown["op"] in ("result", "results"):
+            sent.append(shown["op"])
             raise RuntimeError("a bug in handing in")
         return await request(self, frame, **options)
 
