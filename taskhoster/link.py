@@ -1,16 +1,14 @@
 """One open /work socket: every request gets a fresh `ref`, and each answer goes back to the
-request that carries its ref, so any number of requests (waiting claims among them) can be out
-at once."""
+request that carries its ref the moment the socket reads it, so any number of requests (waiting
+claims among them) can be out at once."""
 
 import asyncio
 import itertools
 import json
 import logging
 
-from websockets.asyncio.client import ClientConnection
-from websockets.exceptions import ConnectionClosed
-
 from .errors import api_error
+from .websocket import SocketClosed, WebSocket
 
 log = logging.getLogger("taskhoster.worker")
 
@@ -24,12 +22,13 @@ class LinkClosed(Exception):
 
 
 class Link:
-    def __init__(self, socket: ClientConnection):
+    def __init__(self, socket: WebSocket):
         self.socket = socket
         self._refs = itertools.count(1)
         self._waiting: dict[str, asyncio.Future] = {}
         self._closed = False
         self.answered = False  # the server has answered a frame over this socket
+        socket.on_message = self._receive
 
     @property
     def closed(self) -> bool:
@@ -52,9 +51,9 @@ class Link:
         # a timer that ends the wait: asyncio.wait_for would add a future and two callbacks to each
         timer = loop.call_later(timeout, _give_up, answer)
         try:
-            await self.socket.send(text)
+            self.socket.send(text)
             reply = await answer
-        except ConnectionClosed as exc:
+        except SocketClosed as exc:
             raise LinkClosed() from exc
         except TimeoutError as exc:
             op = text.partition('"op":"')[2].partition('"')[0]
@@ -70,24 +69,25 @@ class Link:
             raise api_error(str(reply.get("code")), str(reply.get("message", "")))
         return reply
 
-    async def read_answers(self) -> None:
-        """Hand each answer to its request until the socket closes; then wake every request
-        still waiting with None (which it raises as LinkClosed: a future's exception that
-        nobody retrieves, its request being cancelled meanwhile, would be logged)."""
+    def _receive(self, message: str) -> None:
+        """An answer (or any frame) from the server: to the request that waits for its ref."""
         try:
-            async for message in self.socket:
-                try:
-                    reply = json.loads(message)
-                except ValueError:
-                    continue
-                if not isinstance(reply, dict):
-                    continue
-                self.answered = True
-                waiter = self._waiting.get(str(reply.get("ref")))
-                if waiter is not None and not waiter.done():
-                    waiter.set_result(reply)
-        except ConnectionClosed:
-            pass
+            reply = json.loads(message)
+        except ValueError:
+            return
+        if not isinstance(reply, dict):
+            return
+        self.answered = True
+        waiter = self._waiting.get(str(reply.get("ref")))
+        if waiter is not None and not waiter.done():
+            waiter.set_result(reply)
+
+    async def serve_until_closed(self) -> None:
+        """Wait until the socket closes; then wake every request still waiting with None (which
+        it raises as LinkClosed: a future's exception that nobody retrieves, its request being
+        cancelled meanwhile, would be logged)."""
+        try:
+            await self.socket.wait_closed()
         finally:
             self._closed = True
             for waiter in self._waiting.values():
