@@ -24,6 +24,7 @@ class LinkClosed(Exception):
 class Link:
     def __init__(self, socket: WebSocket):
         self.socket = socket
+        self._loop = asyncio.get_running_loop()  # once: in Python 3.11 each call costs a getpid()
         self._refs = itertools.count(1)
         self._waiting: dict[str, asyncio.Future] = {}
         self._closed = False
@@ -46,10 +47,9 @@ class Link:
             text = f'{frame[:-1]},"ref":"{ref}"}}'
         else:
             text = json.dumps({**frame, "ref": ref}, separators=(",", ":"))
-        loop = asyncio.get_running_loop()
-        answer = self._waiting[ref] = loop.create_future()
+        answer = self._waiting[ref] = self._loop.create_future()
         # a timer that ends the wait: asyncio.wait_for would add a future and two callbacks to each
-        timer = loop.call_later(timeout, _give_up, answer)
+        timer = self._loop.call_later(timeout, _give_up, answer)
         try:
             self.socket.send(text)
             reply = await answer

@@ -73,7 +73,7 @@ class Run:
     def spawn(self, coroutine: Coroutine) -> asyncio.Task:
         """A task of this run. Should it ever fail unexpectedly (a bug), the run stops and raises
         the error, rather than live on with a part missing (no more claims, say)."""
-        task = asyncio.create_task(coroutine)
+        task = self.loop.create_task(coroutine)
         task.add_done_callback(self._check)
         return task
 
