@@ -11,6 +11,8 @@ import ssl
 import threading
 import time
 
+import httptools
+
 from .errors import ConnectionFailed, TaskhosterError
 from .wire import IDLE_SECONDS, Answer, Endpoint, Framing, Unanswered, failed, may_send_again, unreachable
 
@@ -171,67 +173,119 @@ class Connections:
 # ---- asyncio -----------------------------------------------------------------------------------
 
 
-class AsyncConnection(Framing):
-    """One asyncio stream to the server, used by one task at a time."""
+class AsyncConnection(Framing, asyncio.BufferedProtocol):
+    """One connection to the server on an event loop, used by one task at a time. asyncio's
+    callbacks feed the parser as bytes come, and a call waits on one future with one timer. It
+    reads into a buffer of its own: asyncio gives a plain protocol (and so its streams) a fresh
+    256 KiB buffer for every read, an mmap and munmap each."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+    def __init__(self, loop: asyncio.AbstractEventLoop):
         super().__init__()
-        self._reader = reader
-        self._writer = writer
-        self.loop = asyncio.get_running_loop()
+        self.loop = loop
+        self._buffer = memoryview(bytearray(READ_SIZE))
+        self._transport: asyncio.Transport | None = None
         self._poll = select.poll()
-        self._poll.register(writer.get_extra_info("socket").fileno(), select.POLLIN)
+        self._waiter: asyncio.Future | None = None  # the answer of the call in progress
+        self._timer: asyncio.TimerHandle | None = None
+        self._timeout = 0.0
+        self._got_bytes = False
+        self._lost = False  # the connection is gone, or the server sent what nobody asked for
+        self._closed = loop.create_future()
         self.idle_since = 0.0
 
     @classmethod
-    async def open(cls, endpoint: Endpoint) -> "AsyncConnection":
-        reader, writer = await asyncio.open_connection(endpoint.host, endpoint.port, ssl=endpoint.tls,
-                                                       server_hostname=endpoint.host if endpoint.tls else None)
-        return cls(reader, writer)
+    async def open(cls, endpoint: Endpoint, loop: asyncio.AbstractEventLoop) -> "AsyncConnection":
+        _, connection = await loop.create_connection(lambda: cls(loop), endpoint.host, endpoint.port,
+                                                     ssl=endpoint.tls,
+                                                     server_hostname=endpoint.host if endpoint.tls else None)
+        return connection
 
-    def usable(self, now: float) -> bool:
-        if now - self.idle_since > IDLE_SECONDS or self.loop is not asyncio.get_running_loop():
+    def usable(self, now: float, loop: asyncio.AbstractEventLoop) -> bool:
+        if now - self.idle_since > IDLE_SECONDS or self.loop is not loop or self._lost:
             return False
-        return not (self._writer.transport.is_closing() or self._reader.at_eof() or self._poll.poll(0))
+        return not (self._transport.is_closing() or self._poll.poll(0))
 
     async def exchange(self, request: list[bytes], timeout: float) -> Answer:
-        writer, reader = self._writer, self._reader
-        async with asyncio.timeout(timeout) as deadline:
-            for piece in request:
-                writer.write(piece)
-            if writer.transport.is_closing():  # writing failed at once: the server had closed
-                raise Unanswered("the connection failed while the request was written", unsent=True)
-            if writer.transport.get_write_buffer_size():  # a large body: wait for it to go out
-                try:
-                    await writer.drain()
-                except OSError as exc:
-                    raise Unanswered(f"the connection failed before the answer came ({exc})") from exc
-            got_bytes = False
-            while not self.ended:
-                try:
-                    data = await reader.read(READ_SIZE)
-                except OSError as exc:
-                    if got_bytes:
-                        raise
-                    raise Unanswered(f"the connection failed before the answer came ({exc})") from exc
-                if not data:
-                    self.closed_by_server(got_bytes)
-                    break
-                if got_bytes:  # a long answer: the timeout counts from the last bytes
-                    deadline.reschedule(self.loop.time() + timeout)
-                got_bytes = True
-                self.parser.feed_data(data)
+        transport = self._transport
+        for piece in request:
+            transport.write(piece)
+        if transport.is_closing():  # writing failed at once: the server had closed
+            raise Unanswered("the connection failed while the request was written", unsent=True)
+        self._got_bytes = False
+        self._timeout = timeout
+        waiter = self._waiter = self.loop.create_future()
+        self._timer = self.loop.call_later(timeout, self._time_out)
+        try:
+            await waiter
+        finally:
+            self._timer.cancel()
+            self._waiter = None
         return self.answer()
 
     def close(self) -> None:
-        if not self.loop.is_closed():
-            self._writer.close()
+        if self._transport is not None and not self.loop.is_closed():
+            self._transport.close()
 
     async def wait_closed(self) -> None:
+        await asyncio.shield(self._closed)
+
+    def _time_out(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_exception(TimeoutError())
+
+    def _went_on(self) -> None:
+        """Bytes moved: the timeout counts from now (a long answer, a large body)."""
+        self._timer.cancel()
+        self._timer = self.loop.call_later(self._timeout, self._time_out)
+
+    # -- asyncio.BufferedProtocol ------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.Transport) -> None:
+        self._transport = transport
+        self._poll.register(transport.get_extra_info("socket").fileno(), select.POLLIN)
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self._buffer
+
+    def buffer_updated(self, nbytes: int) -> None:
+        waiter = self._waiter
+        if waiter is None or waiter.done():
+            self._lost = True  # bytes nobody asked for: this connection is not reused
+            return
+        if self._got_bytes:
+            self._went_on()
+        self._got_bytes = True
         try:
-            await self._writer.wait_closed()
-        except OSError:
-            pass  # closed with an error: closed all the same
+            self.parser.feed_data(bytes(self._buffer[:nbytes]))
+        except httptools.HttpParserError as exc:
+            waiter.set_exception(exc)
+            return
+        if self.ended:
+            waiter.set_result(None)
+
+    def resume_writing(self) -> None:
+        if self._waiter is not None:
+            self._went_on()
+
+    def eof_received(self) -> bool:
+        return False  # close: connection_lost follows
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._lost = True
+        if not self._closed.done():
+            self._closed.set_result(None)
+        waiter = self._waiter
+        if waiter is None or waiter.done():
+            return
+        try:
+            self.closed_by_server(self._got_bytes)  # the end of an answer that runs until the close
+        except Unanswered as failure:
+            reason = f"the connection failed before the answer came ({exc})" if exc is not None else str(failure)
+            waiter.set_exception(Unanswered(reason))
+        except OSError as failure:
+            waiter.set_exception(failure)
+        else:
+            waiter.set_result(None)
 
 
 class AsyncConnections:
@@ -248,7 +302,8 @@ class AsyncConnections:
 
     async def call(self, method: str, target: str, body: bytes | None, timeout: float) -> Answer:
         request = self._endpoint.request(method, target, body)
-        slots = self._slots_of_this_loop()
+        loop = asyncio.get_running_loop()  # once: in Python 3.11 each call costs a getpid()
+        slots = self._slots_of(loop)
         if slots.locked():
             try:
                 async with asyncio.timeout(self._timeout):
@@ -259,10 +314,10 @@ class AsyncConnections:
         else:
             await slots.acquire()  # free: does not wait
         try:
-            connection = self._reuse()
+            connection = self._reuse(loop)
             try:
                 if connection is None:
-                    connection = await self._connect()
+                    connection = await self._connect(loop)
                     answer = await connection.exchange(request, timeout)
                 else:
                     try:
@@ -271,7 +326,7 @@ class AsyncConnections:
                         connection.close()
                         if not may_send_again(method, failure):
                             raise
-                        connection = await self._connect()
+                        connection = await self._connect(loop)
                         answer = await connection.exchange(request, timeout)
             except BaseException as exc:
                 if connection is not None:
@@ -285,26 +340,25 @@ class AsyncConnections:
         finally:
             slots.release()
 
-    def _slots_of_this_loop(self) -> asyncio.Semaphore:
-        loop = asyncio.get_running_loop()
+    def _slots_of(self, loop: asyncio.AbstractEventLoop) -> asyncio.Semaphore:
         if self._slots is None or self._slots_loop is not loop:
             self._slots, self._slots_loop = asyncio.Semaphore(MAX_CONNECTIONS), loop
         return self._slots
 
-    async def _connect(self) -> AsyncConnection:
+    async def _connect(self, loop: asyncio.AbstractEventLoop) -> AsyncConnection:
         try:
             async with asyncio.timeout(self._timeout):
-                return await AsyncConnection.open(self._endpoint)
+                return await AsyncConnection.open(self._endpoint, loop)
         except (OSError, TimeoutError) as exc:
             raise unreachable(self._endpoint.url, exc, self._timeout) from exc
 
-    def _reuse(self) -> AsyncConnection | None:
+    def _reuse(self, loop: asyncio.AbstractEventLoop) -> AsyncConnection | None:
         if self._closed:
             raise TaskhosterError("this producer is closed")
         now = time.monotonic()
         while self._idle:
             connection = self._idle.pop()
-            if connection.usable(now):
+            if connection.usable(now, loop):
                 return connection
             connection.close()
         return None

@@ -66,7 +66,7 @@ def request_crosses_the_close(monkeypatch):
     """Let the client send on an idle connection without first looking whether the server closed
     it: as when the server's close is still on its way while the request goes out."""
     monkeypatch.setattr(Connection, "usable", lambda self, now: True)
-    monkeypatch.setattr(AsyncConnection, "usable", lambda self, now: True)
+    monkeypatch.setattr(AsyncConnection, "usable", lambda self, now, loop: True)
 
 
 def posts(stub: StubServer) -> list[Request]:
