@@ -100,14 +100,17 @@ class Run:
         link = self._connection.link
         if link is None:
             return  # connecting again: the next socket starts with a turn of its own
-        if self._claims.items_likely_waiting():
-            # claim first: the server hands out the next items while it stores these results
-            self._claims.fill()
-            self._outbox.hand_in(link)
-        else:
-            # results first: a producer waiting for one sees it sooner; the claim waits for items
-            self._outbox.hand_in(link)
-            self._claims.fill()
+        try:
+            if self._claims.items_likely_waiting():
+                # claim first: the server hands out the next items while it stores these results
+                self._claims.fill()
+                self._outbox.hand_in(link)
+            else:
+                # results first: a producer waiting for one sees it sooner; the claim waits for items
+                self._outbox.hand_in(link)
+                self._claims.fill()
+        except Exception as exc:  # a bug: the run stops and raises it
+            self.fail(exc)
 
     def _socket_opened(self, link: Link) -> None:
         self._claims.socket_opened(link)
