@@ -100,6 +100,7 @@ class Run:
         link = self._connection.link
         if link is None:
             return  # connecting again: the next socket starts with a turn of its own
+        link.socket.hold()  # the claim and the results go out in one write
         try:
             if self._claims.items_likely_waiting():
                 # claim first: the server hands out the next items while it stores these results
@@ -111,6 +112,8 @@ class Run:
                 self._claims.fill()
         except Exception as exc:  # a bug: the run stops and raises it
             self.fail(exc)
+        finally:
+            link.socket.flush()
 
     def _socket_opened(self, link: Link) -> None:
         self._claims.socket_opened(link)

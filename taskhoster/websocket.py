@@ -51,6 +51,7 @@ class WebSocket(asyncio.BufferedProtocol):
         self._keepalive: asyncio.TimerHandle | None = None
         self._ping_unanswered = False
         self._closing: asyncio.TimerHandle | None = None
+        self._held = False  # frames sent meanwhile wait for flush(), to go out in one write
         self.on_message: Callable[[str], None] | None = None
 
     @classmethod
@@ -79,6 +80,16 @@ class WebSocket(asyncio.BufferedProtocol):
         if self._protocol.state is not State.OPEN:
             raise SocketClosed()
         self._protocol.send_text(text.encode())
+        if not self._held:
+            self._write()
+
+    def hold(self) -> None:
+        """Keep the frames sent from now on until flush(), which writes them all at once: one
+        system call (and one TCP segment, most often) for what one event-loop turn sends."""
+        self._held = True
+
+    def flush(self) -> None:
+        self._held = False
         self._write()
 
     async def close(self) -> None:
@@ -112,7 +123,10 @@ class WebSocket(asyncio.BufferedProtocol):
         self._keepalive = self._loop.call_later(PING_SECONDS, self._ping)
 
     def _write(self) -> None:
-        for data in self._protocol.data_to_send():
+        writes = self._protocol.data_to_send()
+        if len(writes) > 1 and all(writes):
+            writes = [b"".join(writes)]
+        for data in writes:
             if data:
                 self._transport.write(data)
             elif self._transport.can_write_eof():  # the end of what we send: half-close
