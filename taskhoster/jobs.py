@@ -69,70 +69,55 @@ def is_async(handler: Callable) -> bool:
     return inspect.iscoroutinefunction(handler) or inspect.iscoroutinefunction(getattr(handler, "__call__", None))
 
 
-def handler_caller(handler: Handler, threads: "HandlerThreads") -> Callable[[Job], Awaitable[Any]]:
-    """How to run the handler on a job, decided once rather than for every item: an async one on
-    this loop, a plain one in one of `threads` so it never blocks the loop."""
-    if is_async(handler):
-        return lambda job: handler(job.payload, job)
-    return lambda job: threads.run(handler, job.payload, job)
-
-
 class HandlerThreads:
     """The threads plain handlers run in, kept between items: starting a thread for each item cost
-    more CPU than everything else the worker does for it. A thread waits for the next item when
-    its handler returns, and a new one starts only when none waits. They are daemons: a handler
-    still running when the worker gives up on it (grace period over) does not keep the process
-    alive. close() ends the waiting ones; a busy one ends when its handler returns."""
+    more CPU than everything else the worker does for it. A thread waits for its next call when
+    its handler returns; a new one starts only when none waits. They are daemons: a handler still
+    running when the worker gives up on it (grace period over) does not keep the process alive.
+    Only the loop hands out calls and keeps the waiting threads, so no lock is taken. close() ends
+    the waiting ones; a busy one ends when its handler returns."""
 
     def __init__(self):
         self._loop = asyncio.get_running_loop()
-        self._calls: queue.SimpleQueue = queue.SimpleQueue()  # (future, function, args), or None: end
-        self._lock = threading.Lock()
-        self._waiting = 0  # threads waiting for a call, not yet promised one
+        self._waiting: list[_HandlerThread] = []
         self._closed = False
 
-    def run(self, function: Callable, *args) -> asyncio.Future:
-        """`function(*args)` in one of the threads; the future settles on this loop."""
-        future = self._loop.create_future()
-        with self._lock:
-            start = not self._waiting
-            if not start:
-                self._waiting -= 1
-        if start:
-            threading.Thread(target=self._serve, name="taskhoster-handler", daemon=True).start()
-        self._calls.put((future, function, args))
-        return future
+    def run(self, function: Callable, args: tuple, done: Callable[[Any, BaseException | None], None]) -> None:
+        """`function(*args)` in one of the threads; then `done(value, exception)` on this loop."""
+        thread = self._waiting.pop() if self._waiting else _HandlerThread(self)
+        thread.calls.put((function, args, done))
 
     def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            waiting, self._waiting = self._waiting, 0
-        for _ in range(waiting):
-            self._calls.put(None)
+        self._closed = True
+        for thread in self._waiting:
+            thread.calls.put(None)
+        self._waiting.clear()
+
+    def returned(self, thread: "_HandlerThread", done: Callable, value: Any, exc: BaseException | None) -> None:
+        """On the loop: a call returned; its thread waits for the next one (or ends)."""
+        if self._closed:
+            thread.calls.put(None)
+        else:
+            self._waiting.append(thread)
+        done(value, exc)
+
+
+class _HandlerThread:
+    def __init__(self, threads: HandlerThreads):
+        self.calls: queue.SimpleQueue = queue.SimpleQueue()  # (function, args, done), or None: end
+        self._threads = threads
+        threading.Thread(target=self._serve, name="taskhoster-handler", daemon=True).start()
 
     def _serve(self) -> None:
-        while (call := self._calls.get()) is not None:
-            future, function, args = call
+        loop = self._threads._loop
+        while (call := self.calls.get()) is not None:
+            function, args, done = call
             try:
                 value, exc = function(*args), None
-            except BaseException as error:  # SystemExit too: the awaiting side decides
+            except BaseException as error:  # SystemExit too: the loop's side decides
                 value, exc = None, error
-            with self._lock:  # waiting from now on: the next item, which may follow at once, is ours
-                closed = self._closed
-                if not closed:
-                    self._waiting += 1
             try:
-                self._loop.call_soon_threadsafe(_settle, future, value, exc)
+                loop.call_soon_threadsafe(self._threads.returned, self, done, value, exc)
             except RuntimeError:  # the loop is closed: nobody waits for this result any more
                 return
-            if closed:
-                return
-            del future, value, exc  # not kept alive while this thread waits
-
-
-def _settle(future: asyncio.Future, value: Any, exc: BaseException | None) -> None:
-    if not future.done():
-        if exc is None:
-            future.set_result(value)
-        else:
-            future.set_exception(exc)
+            del call, function, args, done, value, exc  # not kept alive while this thread waits
