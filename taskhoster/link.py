@@ -17,6 +17,9 @@ log = logging.getLogger("taskhoster.worker")
 # A server that takes longer than this to answer a frame (beyond a claim's own wait) is treated as
 # gone: the socket is closed, so the worker connects afresh instead of waiting forever.
 ANSWER_SECONDS = 30.0
+# How often the link looks for requests past their time, while any is out: one timer for all of
+# them rather than one per request (each made and cancelled for nothing, almost always).
+WATCH_SECONDS = 1.0
 
 
 class LinkClosed(Exception):
@@ -42,7 +45,8 @@ class Link:
         self.socket = socket
         self._loop = asyncio.get_running_loop()  # once: in Python 3.11 each call costs a getpid()
         self._refs = itertools.count(1)
-        self._waiting: dict[str, tuple[Answered, asyncio.TimerHandle]] = {}
+        self._waiting: dict[str, tuple[Answered, float, float, str]] = {}  # ref -> answered, deadline, timeout, frame
+        self._watch: asyncio.TimerHandle | None = None
         self._closed = False
         self.answered = False  # the server has answered a frame over this socket
         socket.on_message = self._receive
@@ -55,8 +59,8 @@ class Link:
     def ask(self, frame: dict | str, answered: Answered, *, timeout: float = ANSWER_SECONDS) -> None:
         """Send the frame now (a dict, or its JSON text when parts of it were encoded before).
         `answered` is called once: with the server's answer the moment the socket reads it, or
-        with None if the socket closes first or no answer comes within `timeout` seconds (the
-        socket is then closed, so the worker connects afresh). The hot paths (claims, results)
+        with None if the socket closes first or no answer comes within `timeout` seconds (give or
+        take WATCH_SECONDS; the socket is then closed, so the worker connects afresh). The hot paths (claims, results)
         use this, with no task in between; `request` is the same, awaited. Raises LinkClosed if
         the socket has closed already."""
         if self._closed:
@@ -70,7 +74,9 @@ class Link:
             self.socket.send(text)
         except SocketClosed as exc:
             raise LinkClosed() from exc
-        self._waiting[ref] = (answered, self._loop.call_later(timeout, self._no_answer, ref, text, timeout))
+        self._waiting[ref] = (answered, self._loop.time() + timeout, timeout, text)
+        if self._watch is None:
+            self._watch = self._loop.call_later(min(timeout, WATCH_SECONDS), self._look_for_late)
 
     async def request(self, frame: dict | str, *, timeout: float = ANSWER_SECONDS) -> dict:
         """Send the frame and return the server's answer to it. An error frame raises ApiError
@@ -84,12 +90,19 @@ class Link:
         self.ask(frame, partial(_settle, answer), timeout=timeout)
         return await answer
 
-    def _no_answer(self, ref: str, text: str, timeout: float) -> None:
-        answered, _ = self._waiting.pop(ref)
-        op = text.partition('"op":"')[2].partition('"')[0]
-        log.warning("no answer to %r in %g s; closing the socket to connect again", op, timeout)
-        self._loop.create_task(self.socket.close())
-        answered(None)
+    def _look_for_late(self) -> None:
+        self._watch = None
+        now = self._loop.time()
+        late = [ref for ref, (_, deadline, _, _) in self._waiting.items() if deadline <= now]
+        if late:
+            _, _, timeout, text = self._waiting[late[0]]
+            op = text.partition('"op":"')[2].partition('"')[0]
+            log.warning("no answer to %r in %g s; closing the socket to connect again", op, timeout)
+            self._loop.create_task(self.socket.close())
+            for ref in late:
+                self._waiting.pop(ref)[0](None)
+        if self._waiting:
+            self._watch = self._loop.call_later(WATCH_SECONDS, self._look_for_late)
 
     def _receive(self, message: str) -> None:
         """A frame from the server: to the request that waits for its ref."""
@@ -102,9 +115,7 @@ class Link:
         self.answered = True
         waiting = self._waiting.pop(str(reply.get("ref")), None)
         if waiting is not None:
-            answered, timer = waiting
-            timer.cancel()
-            answered(reply)
+            waiting[0](reply)
 
     async def serve_until_closed(self) -> None:
         """Wait until the socket closes; then tell every request still waiting (with None)."""
@@ -112,9 +123,10 @@ class Link:
             await self.socket.wait_closed()
         finally:
             self._closed = True
+            if self._watch is not None:
+                self._watch.cancel()
             waiting, self._waiting = self._waiting, {}
-            for answered, timer in waiting.values():
-                timer.cancel()
+            for answered, _, _, _ in waiting.values():
                 answered(None)
 
 
