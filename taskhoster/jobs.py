@@ -59,10 +59,14 @@ def error_result(exc: BaseException) -> dict:
     return {"error": {"type": type(exc).__name__, "message": str(exc), "traceback": text[-TRACEBACK_TAIL_CHARS:]}}
 
 
+# made once: json.dumps with any option makes a new encoder at every call
+_encoder = json.JSONEncoder(allow_nan=False, separators=(",", ":"))
+
+
 def encode(result: Any) -> str:
     """The result as JSON, as the server takes it; raises TypeError or ValueError if it is not
     JSON (NaN and infinities are not)."""
-    return json.dumps(result, allow_nan=False, separators=(",", ":"))
+    return _encoder.encode(result)
 
 
 def is_async(handler: Callable) -> bool:

@@ -14,6 +14,9 @@ from .websocket import SocketClosed, WebSocket
 
 log = logging.getLogger("taskhoster.worker")
 
+# made once: json.dumps with any option makes a new encoder at every call
+_encode_frame = json.JSONEncoder(separators=(",", ":")).encode
+
 # A server that takes longer than this to answer a frame (beyond a claim's own wait) is treated as
 # gone: the socket is closed, so the worker connects afresh instead of waiting forever.
 ANSWER_SECONDS = 30.0
@@ -69,7 +72,7 @@ class Link:
         if isinstance(frame, str):
             text = f'{frame[:-1]},"ref":"{ref}"}}'
         else:
-            text = json.dumps({**frame, "ref": ref}, separators=(",", ":"))
+            text = _encode_frame({**frame, "ref": ref})
         try:
             self.socket.send(text)
         except SocketClosed as exc:

@@ -28,9 +28,13 @@ def _items_path(queue: str, item_id: str | None = None) -> str:
     return path if item_id is None else f"{path}/{quote(item_id, safe='')}"
 
 
+# made once: json.dumps with any option makes a new encoder at every call
+_encoder = json.JSONEncoder(allow_nan=False, separators=(",", ":"))
+
+
 def _encode(value: Any) -> bytes:
     """JSON as the server accepts it; NaN and infinities are not JSON, so they fail here."""
-    return json.dumps(value, allow_nan=False, separators=(",", ":")).encode()
+    return _encoder.encode(value).encode()
 
 
 def _batch_bodies(payloads: Iterable[Any]) -> Iterator[bytes]:
