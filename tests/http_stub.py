@@ -67,6 +67,14 @@ def _head_and_body(sock: socket.socket, buffer: bytes) -> tuple[bytes, bytes, by
     return head, buffer[:length], buffer[length:]
 
 
+def _poller(sock: socket.socket) -> Callable[[int], bool]:
+    """ready(ms): whether `sock` has something to read within that many milliseconds (poll, not
+    select: a test process may hold descriptors past select's 1024)."""
+    poll = select.poll()
+    poll.register(sock, select.POLLIN)
+    return lambda ms: bool(poll.poll(ms))
+
+
 @dataclass
 class StubServer:
     handler: Handler
@@ -112,8 +120,9 @@ class StubServer:
         thread.start()
 
     def _accept(self) -> None:
+        ready = _poller(self._listener)
         while not self._stopping.is_set():
-            if not select.select([self._listener], [], [], 0.05)[0]:
+            if not ready(50):
                 continue
             try:
                 sock, _ = self._listener.accept()
@@ -162,13 +171,14 @@ class StubServer:
         """Wait until a request begins; False if the stub stops or closes the idle connection."""
         if buffer or (isinstance(sock, ssl.SSLSocket) and sock.pending()):
             return True
+        ready = _poller(sock)
         while not self._stopping.is_set():
             if self._close_idle is not None:
                 if self._close_idle == "reset":
                     sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
                 sock.close()
                 return False
-            if select.select([sock], [], [], 0.02)[0]:
+            if ready(20):
                 return True
         return False
 
