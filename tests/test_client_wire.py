@@ -86,6 +86,20 @@ def test_many_calls_share_one_kept_alive_connection(make_producer):
     assert stub.connections == 1
 
 
+def test_requests_carry_the_token_and_go_under_the_url_s_path(make_producer):
+    with StubServer(item_back) as stub:
+        producer = make_producer(stub.url + "/taskhoster/")
+        producer.post("jobs", {"n": 1})
+        producer.get("jobs", "a b", wait=1.5, payload=True)
+    post, get = stub.requests
+    assert (post.method, post.target) == ("POST", "/taskhoster/api/queues/jobs/items")
+    assert post.headers["authorization"] == "Bearer th_test"
+    assert post.headers["content-type"] == "application/json"
+    assert post.body == b'{"payload":{"n":1}}'
+    assert (get.method, get.target) == ("GET", "/taskhoster/api/queues/jobs/items/a%20b?wait=1.5&payload=1")
+    assert get.headers["host"] == f"127.0.0.1:{stub.port}" and "content-length" not in get.headers
+
+
 def test_threads_sharing_a_producer_each_get_their_own_connection():
     with StubServer(item_back) as stub, Producer(stub.url, "th_test") as producer:
         def post_many():
