@@ -145,7 +145,8 @@ class Claims:
                 return None
             log.warning("the server refused a claim on %s (%s); trying again in %g s", queue, exc, CLAIM_RETRY_SECONDS)
             # a full disk, say: the claim stays counted until then, so it is not asked again at once
-            self._refusals[queue] = self._run.loop.call_later(CLAIM_RETRY_SECONDS, self._rested, link, queue, slots)
+            self._refusals[queue] = self._run.loop.call_later(CLAIM_RETRY_SECONDS, self._rested, link, queue,
+                                                              slots)
             return RESTING
         if self._announcement is not None:  # said once the server has taken a claim: token and queue are good
             log.info("working %s at %s", *self._announcement)

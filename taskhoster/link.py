@@ -48,7 +48,8 @@ class Link:
         self.socket = socket
         self._loop = asyncio.get_running_loop()  # once: in Python 3.11 each call costs a getpid()
         self._refs = itertools.count(1)
-        self._waiting: dict[str, tuple[Answered, float, float, str]] = {}  # ref -> answered, deadline, timeout, frame
+        # ref -> (answered, deadline, timeout, the frame as sent)
+        self._waiting: dict[str, tuple[Answered, float, float, str]] = {}
         self._watch: asyncio.TimerHandle | None = None
         self._closed = False
         self.answered = False  # the server has answered a frame over this socket
@@ -62,10 +63,10 @@ class Link:
     def ask(self, frame: dict | str, answered: Answered, *, timeout: float = ANSWER_SECONDS) -> None:
         """Send the frame now (a dict, or its JSON text when parts of it were encoded before).
         `answered` is called once: with the server's answer the moment the socket reads it, or
-        with None if the socket closes first or no answer comes within `timeout` seconds (give or
-        take WATCH_SECONDS; the socket is then closed, so the worker connects afresh). The hot paths (claims, results)
-        use this, with no task in between; `request` is the same, awaited. Raises LinkClosed if
-        the socket has closed already."""
+        with None if the socket closes first or no answer comes within `timeout` seconds, give or
+        take WATCH_SECONDS (the socket is then closed, so the worker connects afresh). The hot
+        paths (claims, results) use this, with no task in between; `request` is the same,
+        awaited. Raises LinkClosed if the socket has closed already."""
         if self._closed:
             raise LinkClosed()
         ref = str(next(self._refs))
