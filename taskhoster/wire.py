@@ -1,13 +1,14 @@
 """HTTP/1.1 as the producers speak it: the request bytes written by hand, the answer framed by
 httptools (the parser uvicorn uses: Content-Length, chunked, or until the server closes), and
 which failed request may go out again. `pools` keeps the connections these bytes travel on.
+https is the standard library's ssl with the system's CAs (SSL_CERT_FILE and SSL_CERT_DIR apply).
 
 A connection kept alive may be closed by the server while it sits idle. One found closed, or
 holding bytes nobody asked for, or idle longer than IDLE_SECONDS, is closed instead of reused,
 before anything is sent on it. Should a request still fail on a reused connection before any byte
 of the answer came (the server's close crossed it on the wire), it is sent once more, on a new
 connection, only where the server cannot have acted on it twice:
-  - a GET: it only reads;
+  - a GET: reading twice changes nothing that reading once did not;
   - a POST whose request could not be written: the server had closed the connection, so it never
     read the whole request.
 A POST that was written in full is never sent again: the server may have read it, posted the item
@@ -23,8 +24,9 @@ import httptools
 
 from .errors import ConnectionFailed, TaskhosterError
 
-# Below every common server's idle limit (ours keeps a connection 75 s; uvicorn's default is 5 s),
-# so the client, not the server, is the side that ends an idle connection.
+# Below uvicorn's default idle limit (5 s, as httpx's own) and far below ours (75 s), so against
+# those the client, not the server, ends an idle connection; against a server that ends them
+# sooner, the look before each reuse does.
 IDLE_SECONDS = 4.0
 WRITE_AT_ONCE = 1 << 16  # a body larger than this is written after its head, not copied onto it
 
