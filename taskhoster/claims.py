@@ -4,12 +4,13 @@ in turn; when every queue is known to be empty, one waiting claim per idle queue
 import asyncio
 import logging
 from collections import deque
+from functools import partial
 from typing import TYPE_CHECKING
 
 from .errors import ApiError
 from .jobs import Job
 from .leases import release
-from .link import ANSWER_SECONDS, Link, LinkClosed
+from .link import ANSWER_SECONDS, Link, LinkClosed, answer_of
 
 if TYPE_CHECKING:
     from .run import Run
@@ -22,6 +23,7 @@ CLAIM_RETRY_SECONDS = 1.0  # after a claim the server refused for a passing reas
 FILL_DELAY_SECONDS = 0.001  # fewer than half the slots free: wait this long for more to free up
 # claim errors no retry can mend: the worker stops and raises them
 FATAL_CLAIM_ERRORS = {"unauthorized", "forbidden", "unknown_queue", "invalid_request", "invalid_json"}
+RESTING = object()  # a claim the server refused for now (a full disk, say)
 
 
 def split_slots(free: int, queues: int) -> list[int]:
@@ -45,7 +47,7 @@ class Claims:
         self._link: Link | None = None
         self._claiming: dict[str, int] = {}  # queue -> slots its outstanding claim may fill
         self._known_empty: set[str] = set()  # queues whose last claim brought fewer items than asked
-        self._tasks: set[asyncio.Task] = set()
+        self._refusals: dict[str, asyncio.TimerHandle] = {}  # queue -> its refused claim's pause
         self._fill_timer: asyncio.TimerHandle | None = None
         self._stopped = False
 
@@ -58,9 +60,9 @@ class Claims:
     def socket_closed(self) -> None:
         """The socket closed: its claims end with it (the server re-queues what they claimed)."""
         self._link = None
-        for task in self._tasks:
-            task.cancel()
-        self._tasks.clear()
+        for timer in self._refusals.values():
+            timer.cancel()
+        self._refusals.clear()
         if self._fill_timer is not None:
             self._fill_timer.cancel()
             self._fill_timer = None
@@ -114,21 +116,59 @@ class Claims:
         self._claiming[queue] = slots
         self._rotation.remove(queue)
         self._rotation.append(queue)  # the next claim starts with another queue
-        task = self._run.spawn(self._claim_items(self._link, queue, slots, wait))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _claim_items(self, link: Link, queue: str, slots: int, wait: int) -> None:
+        link = self._link
         try:
-            items = await self._ask_for_items(link, queue, slots, wait)
-        finally:
-            if self._link is link:
-                self._claiming.pop(queue, None)
+            link.ask({"op": "claim", "queue": queue, "max": slots, "wait": wait},
+                     partial(self._answered, link, queue, slots), timeout=wait + ANSWER_SECONDS)
+        except LinkClosed:
+            self._claiming.pop(queue, None)  # the socket is closing: socket_closed() comes next
+
+    def _answered(self, link: Link, queue: str, slots: int, reply: dict | None) -> None:
+        """A claim's answer, taken the moment the socket reads it: no task in between."""
+        try:
+            items = self._items_of(link, queue, slots, reply)
+            if items is not RESTING:
+                self._claimed(link, queue, slots, items)
+        except Exception as exc:  # a bug: the run stops and raises it
+            self._run.fail(exc)
+
+    def _items_of(self, link: Link, queue: str, slots: int, reply: dict | None) -> list[dict] | None:
+        """The items one claim brought; None if the socket closed or the claim can never work;
+        RESTING if the server refused it for a passing reason (it is asked again later)."""
+        try:
+            answer = answer_of(reply)
+        except LinkClosed:
+            return None
+        except ApiError as exc:
+            if exc.code in FATAL_CLAIM_ERRORS:
+                self._run.fail(exc)
+                return None
+            log.warning("the server refused a claim on %s (%s); trying again in %g s", queue, exc, CLAIM_RETRY_SECONDS)
+            # a full disk, say: the claim stays counted until then, so it is not asked again at once
+            self._refusals[queue] = self._run.loop.call_later(CLAIM_RETRY_SECONDS, self._rested, link, queue,
+                                                              slots)
+            return RESTING
+        if self._announcement is not None:  # said once the server has taken a claim: token and queue are good
+            log.info("working %s at %s", *self._announcement)
+            self._announcement = None
+        return answer.get("items") or []
+
+    def _rested(self, link: Link, queue: str, slots: int) -> None:
+        del self._refusals[queue]
+        try:
+            self._claimed(link, queue, slots, [])  # as a claim that found the queue empty
+        except Exception as exc:
+            self._run.fail(exc)
+
+    def _claimed(self, link: Link, queue: str, slots: int, items: list[dict] | None) -> None:
+        if self._link is link:
+            self._claiming.pop(queue, None)
         if items is None or self._link is not link:
             return  # if the socket closed meanwhile, the server has re-queued what it claimed
         jobs = [Job.from_item(item) for item in items]
         if self._stopped:  # a claim that was waiting when the stop came: give its items back
-            await asyncio.gather(*(release(link, job) for job in jobs))
+            if jobs:
+                self._run.spawn(_release_all(link, jobs))
             return
         if len(jobs) < slots:  # the server had no more: the next claim on it may wait
             self._known_empty.add(queue)
@@ -140,21 +180,6 @@ class Claims:
             # only then: a turn due now would come before these handlers and split their results
             self._run.nudge()
 
-    async def _ask_for_items(self, link: Link, queue: str, slots: int, wait: int) -> list[dict] | None:
-        """The items one claim brings; None if the socket closed or the claim can never work."""
-        try:
-            answer = await link.request({"op": "claim", "queue": queue, "max": slots, "wait": wait},
-                                        timeout=wait + ANSWER_SECONDS)
-        except LinkClosed:
-            return None
-        except ApiError as exc:
-            if exc.code in FATAL_CLAIM_ERRORS:
-                self._run.fail(exc)
-                return None
-            log.warning("the server refused a claim on %s (%s); trying again in %g s", queue, exc, CLAIM_RETRY_SECONDS)
-            await asyncio.sleep(CLAIM_RETRY_SECONDS)  # a full disk, say: do not ask again at once
-            return []
-        if self._announcement is not None:  # said once the server has taken a claim: token and queue are good
-            log.info("working %s at %s", *self._announcement)
-            self._announcement = None
-        return answer.get("items") or []
+
+async def _release_all(link: Link, jobs: list[Job]) -> None:
+    await asyncio.gather(*(release(link, job) for job in jobs))

@@ -6,17 +6,18 @@ import logging
 import random
 from collections.abc import Callable
 
-import websockets
 from websockets.exceptions import InvalidHandshake, InvalidStatus
 
 from .config import auth_headers, work_socket_url
 from .errors import ConnectionFailed, Unauthorized
 from .link import Link
+from .websocket import WebSocket
 
 log = logging.getLogger("taskhoster.worker")
 
 BACKOFF_FIRST, BACKOFF_MAX = 0.25, 30.0
 AUTH_CLOSE_CODE = 4401
+OPEN_SECONDS = 10  # to connect and shake hands
 
 
 def backoff_delay(failures: int) -> float:
@@ -49,8 +50,7 @@ class Connection:
         connected_once = False
         while not self._finished.is_set():
             try:
-                socket = await websockets.connect(self._url, additional_headers=self._headers, max_size=None,
-                                                  open_timeout=10)
+                socket = await WebSocket.open(self._url, self._headers, timeout=OPEN_SECONDS)
             except (OSError, TimeoutError, InvalidHandshake) as exc:
                 if isinstance(exc, InvalidStatus) and exc.response.status_code in (401, 403):
                     raise Unauthorized("unauthorized", "the server refused the token") from exc
@@ -80,19 +80,19 @@ class Connection:
                 await self._pause(delay)
 
     async def _serve(self, link: Link) -> None:
-        """Read answers over one socket until it closes or the run is finished."""
+        """Serve one socket until it closes or the run is finished."""
         self._link = link
-        reader = asyncio.create_task(link.read_answers())
+        serving = asyncio.create_task(link.serve_until_closed())
         finished = asyncio.create_task(self._finished.wait())
         self._on_open(link)
         try:
-            await asyncio.wait({reader, finished}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({serving, finished}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             self._link = None
             finished.cancel()
             self._on_close()
             await link.socket.close()
-            await reader
+            await serving
 
     async def _pause(self, seconds: float) -> None:
         try:

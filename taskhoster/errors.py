@@ -6,7 +6,9 @@ class TaskhosterError(Exception):
 
 
 class ConnectionFailed(TaskhosterError):
-    """The server could not be reached (refused, timed out, name not resolved)."""
+    """The server could not be reached (refused, timed out, name not resolved, TLS refused), or the
+    connection failed before its answer came; the message says whether a POST may have been
+    carried out (it is never sent twice)."""
 
 
 class ApiError(TaskhosterError):

@@ -1,9 +1,10 @@
 """What a worker's handler sees and how it is called: the `Job` beside the payload, plain
-functions in their own threads, exceptions turned into in-band error results."""
+functions in threads kept for them, exceptions turned into in-band error results."""
 
 import asyncio
 import inspect
 import json
+import queue
 import threading
 import traceback
 from collections.abc import Awaitable, Callable
@@ -58,45 +59,69 @@ def error_result(exc: BaseException) -> dict:
     return {"error": {"type": type(exc).__name__, "message": str(exc), "traceback": text[-TRACEBACK_TAIL_CHARS:]}}
 
 
-def encoded_size(result: Any) -> int:
-    """The result's size as JSON; raises TypeError or ValueError if it is not JSON."""
-    return len(json.dumps(result, allow_nan=False, separators=(",", ":")))
+# made once: json.dumps with any option makes a new encoder at every call
+_encoder = json.JSONEncoder(allow_nan=False, separators=(",", ":"))
+
+
+def encode(result: Any) -> str:
+    """The result as JSON, as the server takes it; raises TypeError or ValueError if it is not
+    JSON (NaN and infinities are not)."""
+    return _encoder.encode(result)
 
 
 def is_async(handler: Callable) -> bool:
     return inspect.iscoroutinefunction(handler) or inspect.iscoroutinefunction(getattr(handler, "__call__", None))
 
 
-def handler_caller(handler: Handler) -> Callable[[Job], Awaitable[Any]]:
-    """How to run the handler on a job, decided once rather than for every item: an async one on
-    this loop, a plain one in a thread of its own so it never blocks the loop. The thread is a
-    daemon: a handler still running when the worker gives up on it (grace period over) does not
-    keep the process alive."""
-    if is_async(handler):
-        return lambda job: handler(job.payload, job)
-    return lambda job: _in_daemon_thread(handler, job.payload, job)
+class HandlerThreads:
+    """The threads plain handlers run in, kept between items: starting a thread for each item cost
+    more CPU than everything else the worker does for it. A thread waits for its next call when
+    its handler returns; a new one starts only when none waits. They are daemons: a handler still
+    running when the worker gives up on it (grace period over) does not keep the process alive.
+    Only the loop hands out calls and keeps the waiting threads, so no lock is taken. close() ends
+    the waiting ones; a busy one ends when its handler returns."""
+
+    def __init__(self):
+        self._loop = asyncio.get_running_loop()
+        self._waiting: list[_HandlerThread] = []
+        self._closed = False
+
+    def run(self, function: Callable, args: tuple, done: Callable[[Any, BaseException | None], None]) -> None:
+        """`function(*args)` in one of the threads; then `done(value, exception)` on this loop."""
+        thread = self._waiting.pop() if self._waiting else _HandlerThread(self)
+        thread.calls.put((function, args, done))
+
+    def close(self) -> None:
+        self._closed = True
+        for thread in self._waiting:
+            thread.calls.put(None)
+        self._waiting.clear()
+
+    def returned(self, thread: "_HandlerThread", done: Callable, value: Any, exc: BaseException | None) -> None:
+        """On the loop: a call returned; its thread waits for the next one (or ends)."""
+        if self._closed:
+            thread.calls.put(None)
+        else:
+            self._waiting.append(thread)
+        done(value, exc)
 
 
-def _in_daemon_thread(function: Callable, *args) -> asyncio.Future:
-    loop = asyncio.get_running_loop()
-    future = loop.create_future()
+class _HandlerThread:
+    def __init__(self, threads: HandlerThreads):
+        self.calls: queue.SimpleQueue = queue.SimpleQueue()  # (function, args, done), or None: end
+        self._threads = threads
+        threading.Thread(target=self._serve, name="taskhoster-handler", daemon=True).start()
 
-    def settle(value, exc):
-        if not future.done():
-            if exc is None:
-                future.set_result(value)
-            else:
-                future.set_exception(exc)
-
-    def target():
-        try:
-            value, exc = function(*args), None
-        except BaseException as error:  # SystemExit too: the awaiting side decides
-            value, exc = None, error
-        try:
-            loop.call_soon_threadsafe(settle, value, exc)
-        except RuntimeError:  # the loop is closed: nobody waits for this result any more
-            pass
-
-    threading.Thread(target=target, name="taskhoster-handler", daemon=True).start()
-    return future
+    def _serve(self) -> None:
+        loop = self._threads._loop
+        while (call := self.calls.get()) is not None:
+            function, args, done = call
+            try:
+                value, exc = function(*args), None
+            except BaseException as error:  # SystemExit too: the loop's side decides
+                value, exc = None, error
+            try:
+                loop.call_soon_threadsafe(self._threads.returned, self, done, value, exc)
+            except RuntimeError:  # the loop is closed: nobody waits for this result any more
+                return
+            del call, function, args, done, value, exc  # not kept alive while this thread waits

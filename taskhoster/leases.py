@@ -21,45 +21,49 @@ async def release(link: Link, job: Job) -> None:
         pass  # not held any more, or the socket closed: either way it is not ours
 
 
+DUE_SLACK_SECONDS = 0.001  # a timer may fire this much before its time: what is due then is due
+
+
 class _Lease:
-    """One held item, the socket it was claimed over, and the timer of its next renewal (a timer,
-    not a task: most handlers finish long before it fires). No timer while a renewal is out."""
+    """One held item, the socket it was claimed over, and when its next renewal is due (None
+    while a renewal is out)."""
 
-    __slots__ = ("job", "link", "timer")
+    __slots__ = ("job", "link", "due")
 
-    def __init__(self, job: Job, link: Link):
+    def __init__(self, job: Job, link: Link, due: float):
         self.job = job
         self.link = link
-        self.timer: asyncio.TimerHandle | None = None
+        self.due: float | None = due
 
 
 class Leases:
-    """The items held while their handlers run. A renewal that fails is not tried again: the
-    item is no longer held (finished elsewhere, timed out) or its socket closed, and the server
-    has re-queued it; the handler's result may still be accepted."""
+    """The items held while their handlers run. One timer serves them all, set for the earliest
+    renewal due: most handlers finish long before theirs, and a timer per item would be made and
+    cancelled for nothing (each one a push into the loop's heap of timers). A renewal that fails
+    is not tried again: the item is no longer held (finished elsewhere, timed out) or its socket
+    closed, and the server has re-queued it; the handler's result may still be accepted."""
 
     def __init__(self, spawn: Callable[[Coroutine], asyncio.Task]):
         self._spawn = spawn
         self._loop = asyncio.get_running_loop()
         self._held: dict[str, _Lease] = {}
+        self._timer: asyncio.TimerHandle | None = None
 
     def hold(self, job: Job, link: Link) -> None:
         """Keep the item's lease from now on. An item claimed again while its handler still runs
         (after a lost socket, say) is renewed over the new socket."""
+        due = self._loop.time() + job.lease_seconds / 2
         lease = self._held.get(job.id)
         if lease is None:
-            lease = self._held[job.id] = _Lease(job, link)
+            self._held[job.id] = _Lease(job, link, due)
         else:
-            if lease.timer is not None:
-                lease.timer.cancel()
-            lease.job, lease.link = job, link
-        self._renew_later(lease)
+            lease.job, lease.link, lease.due = job, link, due
+        if self._timer is None or due < self._timer.when():
+            self._set_timer(due)
 
     def let_go(self, item_id: str) -> None:
-        """The handler finished: stop renewing."""
-        lease = self._held.pop(item_id, None)
-        if lease is not None and lease.timer is not None:
-            lease.timer.cancel()
+        """The handler finished: stop renewing (the timer, if it fires, finds nothing due)."""
+        self._held.pop(item_id, None)
 
     def held(self) -> list[tuple[Job, Link]]:
         return [(lease.job, lease.link) for lease in self._held.values()]
@@ -70,13 +74,25 @@ class Leases:
         if lease is not None:
             await release(lease.link, lease.job)
 
-    def _renew_later(self, lease: _Lease) -> None:
-        lease.timer = self._loop.call_later(lease.job.lease_seconds / 2, self._renew, lease)
+    def _set_timer(self, when: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = self._loop.call_at(when, self._renew_due)
 
-    def _renew(self, lease: _Lease) -> None:
-        lease.timer = None
-        if not lease.link.closed:
-            self._spawn(self._extend(lease))
+    def _renew_due(self) -> None:
+        self._timer = None
+        now, next_due = self._loop.time() + DUE_SLACK_SECONDS, None
+        for lease in self._held.values():
+            if lease.due is None:
+                continue
+            if lease.due <= now:
+                lease.due = None
+                if not lease.link.closed:
+                    self._spawn(self._extend(lease))
+            elif next_due is None or lease.due < next_due:
+                next_due = lease.due
+        if next_due is not None:
+            self._set_timer(next_due)
 
     async def _extend(self, lease: _Lease) -> None:
         job, link = lease.job, lease.link
@@ -87,5 +103,7 @@ class Leases:
         except (ApiError, LinkClosed) as exc:
             log.info("stopped renewing the lease of %s %s: %s", job.queue, job.id, exc)
             return
-        if self._held.get(job.id) is lease and lease.timer is None:  # not let go or claimed again meanwhile
-            self._renew_later(lease)
+        if self._held.get(job.id) is lease and lease.due is None:  # not let go or claimed again meanwhile
+            lease.due = self._loop.time() + job.lease_seconds / 2
+            if self._timer is None or lease.due < self._timer.when():
+                self._set_timer(lease.due)

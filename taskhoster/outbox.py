@@ -1,13 +1,16 @@
 """Results not yet acknowledged: handed in one frame at a time, many to a frame, and kept until
-the server has answered for each."""
+the server has answered for each. Each result is encoded to JSON once, when it comes in; frames
+are put together from those texts."""
 
 import asyncio
+import json
 import logging
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from .errors import ApiError
-from .jobs import Job, encoded_size
-from .link import Link, LinkClosed
+from .jobs import Job, encode
+from .link import Link, LinkClosed, answer_of
 
 if TYPE_CHECKING:
     from .run import Run
@@ -28,8 +31,9 @@ class Outbox:
 
     def __init__(self, run: "Run"):
         self._run = run
-        self._results: dict[str, tuple[str, Any, int]] = {}  # id -> queue, result, size
-        self._sending: asyncio.Task | None = None  # the frame waiting for its answer
+        self._results: dict[str, tuple[str, Any, str]] = {}  # id -> queue, result, the result as JSON
+        self._sending = False  # a frame is out, waiting for its answer
+        self._one_by_one: asyncio.Task | None = None  # results a refused frame held, going in one by one
         self._resting: set[str] = set()  # ids the server could not store: not sent until
         self._rest_timer: asyncio.TimerHandle | None = None  # this fires and frees them all
 
@@ -41,24 +45,33 @@ class Outbox:
 
     def add(self, job: Job, result: Any) -> None:
         """Raises TypeError or ValueError, and keeps nothing, if the result is not JSON."""
-        self._results[job.id] = (job.queue, result, encoded_size(result))
+        self._results[job.id] = (job.queue, result, encode(result))
 
     def hand_in(self, link: Link) -> None:
         """Hand in the results not yet acknowledged, one frame at a time: results that finish
         while a frame is out go together in the next one. Results resting after a storage error
-        wait for their pause to end; the others go in meanwhile."""
-        if self._sending is not None:
+        wait for their pause to end; the others go in meanwhile. The answer is taken the moment
+        the socket reads it (no task in between)."""
+        if self._sending:
             return
         batch = self._next_batch()
         if not batch:
             return
-        task = self._sending = self._run.spawn(self._hand_in_batch(link, batch))
-        task.add_done_callback(self._handed_in)
+        if len(batch) == 1:
+            frame, answered = _one_frame(batch[0]), partial(self._answered_one, batch[0])
+        else:
+            frame = '{"op":"results","items":[' + ",".join(_entry(i, q, t) for i, q, _, t in batch) + "]}"
+            answered = partial(self._answered_many, link, batch)
+        self._sending = True
+        try:
+            link.ask(frame, answered)
+        except LinkClosed:
+            self._sending = False  # kept for the next socket
 
     def socket_closed(self) -> None:
         """The socket closed: the frame out will get no answer; its results stay."""
-        if self._sending is not None:
-            self._sending.cancel()
+        if self._one_by_one is not None:
+            self._one_by_one.cancel()
 
     def stop(self) -> None:
         """The run is over: no more tries."""
@@ -66,47 +79,54 @@ class Outbox:
             self._rest_timer.cancel()
             self._rest_timer = None
 
-    def _handed_in(self, task: asyncio.Task) -> None:
-        if self._sending is task:
-            self._sending = None
-            if not self._run.failed:  # a hand-in that failed for good must not be sent again and again
-                self._run.nudge()
+    def _sent(self) -> None:
+        """The frame out has its answer (or will get none): the next one may go."""
+        self._sending = False
+        if not self._run.failed:  # a hand-in that failed for good must not be sent again and again
+            self._run.nudge()
 
-    def _next_batch(self) -> list[tuple[str, str, Any]]:
+    def _next_batch(self) -> list[tuple[str, str, Any, str]]:
         batch, total = [], 0
-        for item_id, (queue, result, size) in self._results.items():
+        for item_id, (queue, result, text) in self._results.items():
             if item_id in self._resting:
                 continue
-            if batch and (len(batch) == BATCH_ITEMS or total + size > BATCH_BYTES):
+            if batch and (len(batch) == BATCH_ITEMS or total + len(text) > BATCH_BYTES):
                 break
-            batch.append((item_id, queue, result))
-            total += size
+            batch.append((item_id, queue, result, text))
+            total += len(text)
         return batch
 
-    async def _hand_in_batch(self, link: Link, batch: list[tuple[str, str, Any]]) -> None:
+    def _answered_one(self, entry: tuple[str, str, Any, str], reply: dict | None) -> None:
         try:
-            if len(batch) == 1:
-                await self._hand_in_one(link, *batch[0])
-            else:
-                await self._hand_in_many(link, batch)
-        except LinkClosed:
-            pass  # kept for the next socket
+            self._take_ack(entry, reply)
+        except Exception as exc:  # a bug: the run stops and raises it
+            self._run.fail(exc)
+        self._sent()
 
-    async def _hand_in_many(self, link: Link, batch: list[tuple[str, str, Any]]) -> None:
-        frame = {"op": "results", "items": [{"queue": q, "id": i, "result": r} for i, q, r in batch]}
+    def _answered_many(self, link: Link, batch: list[tuple[str, str, Any, str]], reply: dict | None) -> None:
         try:
-            answer = await link.request(frame)
+            answer = answer_of(reply)
+        except LinkClosed:
+            answer = None  # kept for the next socket
         except ApiError as exc:
+            answer = None
             if exc.code in PASSING_RESULT_ERRORS:
-                self._rest([item_id for item_id, _, _ in batch], str(exc))
+                self._rest([item_id for item_id, _, _, _ in batch], str(exc))
+            else:
+                # refused as a whole (one result too large, say): hand each in alone to find it
+                task = self._one_by_one = self._run.spawn(self._hand_in_each(link, batch))
+                task.add_done_callback(self._handed_in_each)
                 return
-            # refused as a whole (one result too large, say): hand each in alone to find it
-            for entry in batch:
-                await self._hand_in_one(link, *entry)
-            return
-        acks = answer.get("items") or []
+        try:
+            if answer is not None:
+                self._take_acks(batch, answer.get("items") or [])
+        except Exception as exc:  # a bug: the run stops and raises it
+            self._run.fail(exc)
+        self._sent()
+
+    def _take_acks(self, batch: list[tuple[str, str, Any, str]], acks: list[dict]) -> None:
         unstored = []
-        for index, (item_id, queue, result) in enumerate(batch):
+        for index, (item_id, queue, result, _) in enumerate(batch):
             ack = acks[index] if index < len(acks) else {}
             error = ack.get("error")
             if error in PASSING_RESULT_ERRORS:
@@ -119,9 +139,12 @@ class Outbox:
         if unstored:
             self._rest(unstored, "storage_unavailable")
 
-    async def _hand_in_one(self, link: Link, item_id: str, queue: str, result: Any) -> None:
+    def _take_ack(self, entry: tuple[str, str, Any, str], reply: dict | None) -> None:
+        item_id, queue, result, _ = entry
         try:
-            ack = await link.request({"op": "result", "queue": queue, "id": item_id, "result": result})
+            ack = answer_of(reply)
+        except LinkClosed:
+            return  # kept for the next socket
         except ApiError as exc:
             if exc.code == "payload_too_large" and self._too_large(item_id, queue, result, exc.message):
                 return
@@ -131,12 +154,26 @@ class Outbox:
             ack = {"accepted": False, "error": exc.code}
         self._settle(item_id, ack)
 
+    async def _hand_in_each(self, link: Link, batch: list[tuple[str, str, Any, str]]) -> None:
+        for entry in batch:
+            try:
+                reply = await link.reply(_one_frame(entry))
+            except LinkClosed:
+                return  # kept for the next socket
+            self._take_ack(entry, reply)
+
+    def _handed_in_each(self, task: asyncio.Task) -> None:
+        if self._one_by_one is task:
+            self._one_by_one = None
+            self._sent()
+
     def _too_large(self, item_id: str, queue: str, result: Any, message: str) -> bool:
         """The item must still end: an error result saying why takes the result's place and goes
         in next (True), unless the result is an error result already."""
         if _is_error_result(result):
             return False
-        self._results[item_id] = (queue, {"error": {"type": "PayloadTooLarge", "message": message}}, 0)
+        error = {"error": {"type": "PayloadTooLarge", "message": message}}
+        self._results[item_id] = (queue, error, encode(error))
         return True
 
     def _rest(self, item_ids: list[str], reason: str) -> None:
@@ -158,6 +195,16 @@ class Outbox:
         self._results.pop(item_id, None)
         if not ack.get("accepted"):
             log.info("result for %s not accepted (%s)", item_id, ack.get("error", "already finished or timed out"))
+
+
+def _one_frame(entry: tuple[str, str, Any, str]) -> str:
+    item_id, queue, _, text = entry
+    return '{"op":"result",' + _entry(item_id, queue, text)[1:]
+
+
+def _entry(item_id: str, queue: str, text: str) -> str:
+    """One result as the server takes it, its result already JSON."""
+    return '{"queue":' + json.dumps(queue) + ',"id":' + json.dumps(item_id) + ',"result":' + text + "}"
 
 
 def _is_error_result(result: Any) -> bool:

@@ -1,5 +1,6 @@
 """Producers: post items, read them, wait for their results. `Producer` blocks, `AsyncProducer`
-is the same for asyncio. Both speak the SPEC's Producer API over HTTP and nothing else."""
+is the same for asyncio. Both speak the server's Producer API over HTTP and nothing else, through
+`wire`: each payload is encoded to JSON once, each answer parsed once."""
 
 import json
 import time
@@ -7,10 +8,10 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 from urllib.parse import quote
 
-import httpx
-
-from .config import auth_headers, server_settings
-from .errors import ApiError, ConnectionFailed, ItemFailed, ResultTimeout, TaskhosterError, api_error
+from .config import server_settings
+from .errors import ApiError, ItemFailed, ResultTimeout, TaskhosterError, api_error
+from .pools import AsyncConnections, Connections
+from .wire import Answer, Endpoint
 
 MAX_BATCH_ITEMS = 1000  # the server's limit per post
 MAX_BATCH_BYTES = 8 << 20  # half the server's default body limit: a batch of big payloads is split
@@ -27,9 +28,13 @@ def _items_path(queue: str, item_id: str | None = None) -> str:
     return path if item_id is None else f"{path}/{quote(item_id, safe='')}"
 
 
+# made once: json.dumps with any option makes a new encoder at every call
+_encoder = json.JSONEncoder(allow_nan=False, separators=(",", ":"))
+
+
 def _encode(value: Any) -> bytes:
     """JSON as the server accepts it; NaN and infinities are not JSON, so they fail here."""
-    return json.dumps(value, allow_nan=False, separators=(",", ":")).encode()
+    return _encoder.encode(value).encode()
 
 
 def _batch_bodies(payloads: Iterable[Any]) -> Iterator[bytes]:
@@ -48,30 +53,26 @@ def _batch_bodies(payloads: Iterable[Any]) -> Iterator[bytes]:
         start = end
 
 
-def _read(response: httpx.Response) -> Any:
+def _read(answer: Answer, url: str) -> Any:
     """The JSON answer of a successful call; the server's error as an ApiError otherwise."""
     try:
-        body = response.json()
+        body = json.loads(answer.body)
     except ValueError:
         body = None
-    if response.is_success and body is not None:
+    if 200 <= answer.status < 300 and body is not None:
         return body
     if isinstance(body, dict) and isinstance(body.get("error"), str):
-        raise api_error(body["error"], str(body.get("message", "")), response.status_code)
-    raise ApiError("unexpected_answer", f"HTTP {response.status_code} from {response.request.url}", response.status_code)
+        raise api_error(body["error"], str(body.get("message", "")), answer.status)
+    raise ApiError("unexpected_answer", f"HTTP {answer.status} from {url}", answer.status)
 
 
-def _unreachable(url: str, exc: httpx.TransportError) -> ConnectionFailed:
-    return ConnectionFailed(f"cannot reach {url}: {exc or type(exc).__name__}")
-
-
-def _get_params(wait: float, payload: bool) -> dict[str, str]:
-    params = {}
+def _get_target(queue: str, item_id: str, wait: float, payload: bool) -> str:
+    target = _items_path(queue, item_id)
     if wait:
-        params["wait"] = format(round(wait, 3), "g")
+        target += "?wait=" + format(round(wait, 3), "g")
     if payload:
-        params["payload"] = "1"
-    return params
+        target += ("&" if wait else "?") + "payload=1"
+    return target
 
 
 def _deadline(timeout: float | None) -> float | None:
@@ -109,27 +110,21 @@ def _note_posted(exc: TaskhosterError, posted: list[dict]) -> None:
 
 class Producer:
     """Post items and read them back, blocking. `url` and `token` default to TASKHOSTER_URL and
-    TASKHOSTER_TOKEN. `timeout` bounds each HTTP call (a long-poll gets its wait on top).
-    Use it as a context manager, or call close()."""
+    TASKHOSTER_TOKEN. `timeout` bounds each HTTP call (a long-poll gets its wait on top): the
+    connection, and each wait for the server's next bytes. Safe to share between threads; it keeps
+    its connections open between calls. Use it as a context manager, or call close()."""
 
-    def __init__(self, url: str | None = None, token: str | None = None, *, timeout: float = 30.0,
-                 transport: httpx.BaseTransport | None = None):
+    def __init__(self, url: str | None = None, token: str | None = None, *, timeout: float = 30.0):
         self.url, token = server_settings(url, token)
         self._timeout = timeout
-        self._http = httpx.Client(base_url=self.url, headers=auth_headers(token), timeout=timeout,
-                                  transport=transport)
+        self._http = Connections(Endpoint(self.url, token), timeout)
 
-    def _call(self, method: str, path: str, **kwargs) -> Any:
-        try:
-            response = self._http.request(method, path, **kwargs)
-        except httpx.TransportError as exc:
-            raise _unreachable(self.url, exc) from exc
-        return _read(response)
+    def _call(self, method: str, target: str, body: bytes | None = None, wait: float = 0) -> Any:
+        return _read(self._http.call(method, target, body, self._timeout + wait), self.url + target)
 
     def post(self, queue: str, payload: Any) -> dict:
         """Post one item; returns it as the server made it (its `id` above all)."""
-        body = b'{"payload":' + _encode(payload) + b"}"
-        return self._call("POST", _items_path(queue), content=body, headers={"Content-Type": "application/json"})
+        return self._call("POST", _items_path(queue), b'{"payload":' + _encode(payload) + b"}")
 
     def post_many(self, queue: str, payloads: Iterable[Any]) -> list[dict]:
         """Post many items, in batches of up to 1000; returns them in order. Each batch is all or
@@ -137,8 +132,7 @@ class Producer:
         posted: list[dict] = []
         for body in _batch_bodies(payloads):
             try:
-                answer = self._call("POST", _items_path(queue), content=body,
-                                    headers={"Content-Type": "application/json"})
+                answer = self._call("POST", _items_path(queue), body)
             except TaskhosterError as exc:
                 _note_posted(exc, posted)
                 raise
@@ -148,8 +142,7 @@ class Producer:
     def get(self, queue: str, item_id: str, *, wait: float = 0, payload: bool = False) -> dict:
         """Read an item. With `wait` (0 to 60 s) the server answers as soon as the item is
         finished or failed, or when the wait is over. `payload=True` includes the payload."""
-        return self._call("GET", _items_path(queue, item_id), params=_get_params(wait, payload),
-                          timeout=self._timeout + wait)
+        return self._call("GET", _get_target(queue, item_id, wait, payload), wait=wait)
 
     def wait(self, queue: str, item_id: str, *, timeout: float | None = None, payload: bool = False) -> dict:
         """Read the item once it is finished or failed, or as it is when `timeout` seconds have
@@ -182,33 +175,25 @@ class Producer:
 
 
 class AsyncProducer:
-    """`Producer` for asyncio: the same methods, awaited. Use `async with`, or await aclose()."""
+    """`Producer` for asyncio: the same methods, awaited. Tasks may call it at once. Use
+    `async with`, or await aclose()."""
 
-    def __init__(self, url: str | None = None, token: str | None = None, *, timeout: float = 30.0,
-                 transport: httpx.AsyncBaseTransport | None = None):
+    def __init__(self, url: str | None = None, token: str | None = None, *, timeout: float = 30.0):
         self.url, token = server_settings(url, token)
         self._timeout = timeout
-        self._http = httpx.AsyncClient(base_url=self.url, headers=auth_headers(token), timeout=timeout,
-                                       transport=transport)
+        self._http = AsyncConnections(Endpoint(self.url, token), timeout)
 
-    async def _call(self, method: str, path: str, **kwargs) -> Any:
-        try:
-            response = await self._http.request(method, path, **kwargs)
-        except httpx.TransportError as exc:
-            raise _unreachable(self.url, exc) from exc
-        return _read(response)
+    async def _call(self, method: str, target: str, body: bytes | None = None, wait: float = 0) -> Any:
+        return _read(await self._http.call(method, target, body, self._timeout + wait), self.url + target)
 
     async def post(self, queue: str, payload: Any) -> dict:
-        body = b'{"payload":' + _encode(payload) + b"}"
-        return await self._call("POST", _items_path(queue), content=body,
-                                headers={"Content-Type": "application/json"})
+        return await self._call("POST", _items_path(queue), b'{"payload":' + _encode(payload) + b"}")
 
     async def post_many(self, queue: str, payloads: Iterable[Any]) -> list[dict]:
         posted: list[dict] = []
         for body in _batch_bodies(payloads):
             try:
-                answer = await self._call("POST", _items_path(queue), content=body,
-                                          headers={"Content-Type": "application/json"})
+                answer = await self._call("POST", _items_path(queue), body)
             except TaskhosterError as exc:
                 _note_posted(exc, posted)
                 raise
@@ -216,8 +201,7 @@ class AsyncProducer:
         return posted
 
     async def get(self, queue: str, item_id: str, *, wait: float = 0, payload: bool = False) -> dict:
-        return await self._call("GET", _items_path(queue, item_id), params=_get_params(wait, payload),
-                                timeout=self._timeout + wait)
+        return await self._call("GET", _get_target(queue, item_id, wait, payload), wait=wait)
 
     async def wait(self, queue: str, item_id: str, *, timeout: float | None = None,
                    payload: bool = False) -> dict:
@@ -236,7 +220,7 @@ class AsyncProducer:
         return (await self._call("GET", "/api/queues"))["queues"]
 
     async def aclose(self) -> None:
-        await self._http.aclose()
+        await self._http.close()
 
     async def __aenter__(self) -> "AsyncProducer":
         return self

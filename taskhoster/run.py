@@ -11,10 +11,11 @@ acts on what changed, once per event-loop turn.
 import asyncio
 import logging
 from collections.abc import Coroutine
+from typing import Any
 
 from .claims import Claims
 from .connection import Connection
-from .jobs import Handler, Job, error_result, handler_caller
+from .jobs import Handler, HandlerThreads, Job, error_result, is_async
 from .leases import Leases, release
 from .link import Link
 from .outbox import Outbox
@@ -30,7 +31,9 @@ class Run:
     def __init__(self, handler: Handler, *, url: str, token: str, queues: list[str], concurrency: int,
                  on_error: str, grace: float):
         self.loop = asyncio.get_running_loop()
-        self._call_handler = handler_caller(handler)
+        self._handler = handler
+        self._in_threads = not is_async(handler)  # decided once, not for every item
+        self._threads = HandlerThreads()
         self._on_error = on_error
         self._claims = Claims(self, queues, concurrency, url)
         self._shutdown = Shutdown(grace, stop_claiming=self._claims.stop, busy=self.busy,
@@ -39,7 +42,7 @@ class Run:
                                       on_open=self._socket_opened, on_close=self._socket_closed)
         self._leases = Leases(self.spawn)
         self._outbox = Outbox(self)
-        self._handlers: dict[str, asyncio.Task] = {}  # item id -> the task of its handler
+        self._handlers: dict[str, asyncio.Task | InThread] = {}  # item id -> its running handler
         self._turn: asyncio.Handle | None = None  # the end-of-turn step, when one is due
         self._fatal: BaseException | None = None
 
@@ -52,8 +55,9 @@ class Run:
             if self._turn is not None:
                 self._turn.cancel()
             self._outbox.stop()
-            for task in self._handlers.values():
-                task.cancel()
+            for running in list(self._handlers.values()):
+                running.cancel()
+            self._threads.close()
         if self._fatal is not None:
             raise self._fatal
 
@@ -71,7 +75,7 @@ class Run:
     def spawn(self, coroutine: Coroutine) -> asyncio.Task:
         """A task of this run. Should it ever fail unexpectedly (a bug), the run stops and raises
         the error, rather than live on with a part missing (no more claims, say)."""
-        task = asyncio.create_task(coroutine)
+        task = self.loop.create_task(coroutine)
         task.add_done_callback(self._check)
         return task
 
@@ -98,14 +102,20 @@ class Run:
         link = self._connection.link
         if link is None:
             return  # connecting again: the next socket starts with a turn of its own
-        if self._claims.items_likely_waiting():
-            # claim first: the server hands out the next items while it stores these results
-            self._claims.fill()
-            self._outbox.hand_in(link)
-        else:
-            # results first: a producer waiting for one sees it sooner; the claim waits for items
-            self._outbox.hand_in(link)
-            self._claims.fill()
+        link.socket.hold()  # the claim and the results go out in one write
+        try:
+            if self._claims.items_likely_waiting():
+                # claim first: the server hands out the next items while it stores these results
+                self._claims.fill()
+                self._outbox.hand_in(link)
+            else:
+                # results first: a producer waiting for one sees it sooner; the claim waits for items
+                self._outbox.hand_in(link)
+                self._claims.fill()
+        except Exception as exc:  # a bug: the run stops and raises it
+            self.fail(exc)
+        finally:
+            link.socket.flush()
 
     def _socket_opened(self, link: Link) -> None:
         self._claims.socket_opened(link)
@@ -121,39 +131,102 @@ class Run:
         return len(self._handlers)
 
     def take(self, job: Job, link: Link) -> None:
-        """Run the handler on a job one of our claims brought."""
+        """Run the handler on a job one of our claims brought: an async one in a task of its own,
+        a plain one in a thread, which calls back when it returns (no task waits for it)."""
         if job.id in self._outbox:
             return  # claimed again before our result for it went in: that result finishes it
         self._leases.hold(job, link)
-        if job.id not in self._handlers:  # else it still runs, from a claim over a socket since lost
+        if job.id in self._handlers:
+            return  # it still runs, from a claim over a socket since lost
+        if self._in_threads:
+            running = self._handlers[job.id] = InThread(self, job)
+            self._threads.run(self._handler, (job.payload, job), running.returned)
+        else:
             self._handlers[job.id] = self.spawn(self._work(job))
 
     async def _work(self, job: Job) -> None:
+        """An async handler's task."""
         try:
             try:
-                result = await self._call_handler(job)
-                self._outbox.add(job, result)  # raises if the result is not JSON
-            except (Exception, SystemExit) as exc:
-                if self._on_error == "release":
-                    log.warning("handler failed on %s %s (%s); releasing it", job.queue, job.id, exc)
-                    await self._leases.give_back(job.id)
-                    return
-                log.warning("handler failed on %s %s: %r", job.queue, job.id, exc)
-                self._outbox.add(job, error_result(exc))
+                value, exc = await self._handler(job.payload, job), None
+            except (Exception, SystemExit) as error:
+                value, exc = None, error
+            if self._keep_outcome(job, value, exc):
+                await self._leases.give_back(job.id)
         finally:
-            del self._handlers[job.id]
-            self._leases.let_go(job.id)
-            self.nudge()
+            self._finished(job)
+
+    def returned(self, job: Job, value: Any, exc: BaseException | None) -> None:
+        """A plain handler returned (or raised), told on the loop by its thread."""
+        try:
+            if exc is not None and not isinstance(exc, (Exception, SystemExit)):
+                raise exc  # KeyboardInterrupt, say: not the handler's failure but the run's
+            if self._keep_outcome(job, value, exc):
+                self.spawn(self._give_back(job))
+                return  # the slot stays taken until the item is back
+        except BaseException as fatal:
+            self.fail(fatal)
+        self._finished(job)
+
+    async def _give_back(self, job: Job) -> None:
+        try:
+            await self._leases.give_back(job.id)
+        finally:
+            self._finished(job)
+
+    def _keep_outcome(self, job: Job, value: Any, exc: BaseException | None) -> bool:
+        """The handler's result, or its error as an in-band result, into the outbox; True when
+        the item is to be given back instead (on_error="release")."""
+        if exc is None:
+            try:
+                self._outbox.add(job, value)
+                return False
+            except Exception as error:  # the result is not JSON
+                exc = error
+        if self._on_error == "release":
+            log.warning("handler failed on %s %s (%s); releasing it", job.queue, job.id, exc)
+            return True
+        log.warning("handler failed on %s %s: %r", job.queue, job.id, exc)
+        self._outbox.add(job, error_result(exc))
+        return False
+
+    def _finished(self, job: Job) -> None:
+        del self._handlers[job.id]
+        self._leases.let_go(job.id)
+        self.nudge()
 
     async def _abandon_handlers(self) -> None:
         """The grace period is over: cancel the handlers still running and give their items back."""
         # an item claimed over a socket that has closed since is back in its queue already
         leftovers = [(job, link) for job, link in self._leases.held() if not link.closed]
-        for task in self._handlers.values():
-            task.cancel()
+        for running in list(self._handlers.values()):
+            running.cancel()
         if leftovers:
             log.info("releasing %d items whose handlers did not finish", len(leftovers))
             await asyncio.gather(*(release(link, job) for job, link in leftovers))
 
     def _unsent(self) -> int:
         return len(self._outbox)
+
+
+class InThread:
+    """A plain handler running in one of the threads, kept by the run beside the tasks of async
+    ones. cancel() stops waiting for it (a thread cannot be stopped): what it returns later is
+    dropped."""
+
+    __slots__ = ("_run", "_job", "_over")
+
+    def __init__(self, run: Run, job: Job):
+        self._run = run
+        self._job = job
+        self._over = False
+
+    def returned(self, value: Any, exc: BaseException | None) -> None:
+        if not self._over:
+            self._over = True
+            self._run.returned(self._job, value, exc)
+
+    def cancel(self) -> None:
+        if not self._over:
+            self._over = True
+            self._run._finished(self._job)

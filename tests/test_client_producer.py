@@ -1,17 +1,21 @@
-"""The producer client: batching, long-polling for results, errors; against a stub transport
-where the request shape is the point, against a live server for the round trips."""
+"""The producer client: batching, long-polling for results, errors; against a stub server
+where the request shape is the point, against a live server for the round trips. How the
+connections behave (keep-alive, a server's close, TLS, framing) is tests/test_client_wire.py."""
 
 import asyncio
-import json
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from urllib.parse import parse_qs, urlsplit
 
 import httpx
 import pytest
 
 import taskhoster.producer as producer_module
 from client_support import client_env, live_server
+from http_stub import Handler, Reply, Request, StubServer
 from serverproc import PROJECT_DIR
 from taskhoster import (
     AsyncProducer,
@@ -45,14 +49,20 @@ def finish_pending(live, queue: str, result_of) -> None:
         assert answer.json()["accepted"] is True
 
 
-def stub_producer(handler) -> Producer:
-    return Producer(URL, "th_stub", transport=httpx.MockTransport(handler))
+@contextmanager
+def stub_producer(handler: Handler) -> Iterator[Producer]:
+    with StubServer(handler) as stub, Producer(stub.url, "th_stub") as producer:
+        yield producer
 
 
-def posted_items(request: httpx.Request) -> httpx.Response:
+def posted_items(request: Request) -> Reply:
     """A stub server's answer to a batch post: each payload back as an item."""
-    body = json.loads(request.content)
-    return httpx.Response(201, json={"items": [{"id": str(i), "payload": e["payload"]} for i, e in enumerate(body["items"])]})
+    body = request.json()
+    return Reply(201, {"items": [{"id": str(i), "payload": e["payload"]} for i, e in enumerate(body["items"])]})
+
+
+def wait_of(request: Request) -> str | None:
+    return parse_qs(urlsplit(request.target).query).get("wait", [None])[0]
 
 
 class FakeTime:
@@ -65,14 +75,14 @@ class FakeTime:
         return self.now
 
 
-# ---- stub transport: what goes on the wire ------------------------------------------------------
+# ---- stub server: what goes on the wire ---------------------------------------------------------
 
 
 def test_post_many_sends_batches_of_at_most_1000_in_the_given_order():
     sizes = []
 
     def handler(request):
-        sizes.append(len(json.loads(request.content)["items"]))
+        sizes.append(len(request.json()["items"]))
         return posted_items(request)
 
     with stub_producer(handler) as producer:
@@ -86,7 +96,7 @@ def test_post_many_splits_big_payloads_so_no_body_grows_past_the_batch_size():
     bodies = []
 
     def handler(request):
-        bodies.append(len(request.content))
+        bodies.append(len(request.body))
         return posted_items(request)
 
     big = "x" * (3 << 20)
@@ -114,7 +124,7 @@ def test_a_failed_batch_says_which_items_of_earlier_batches_went_in():
     def handler(request):
         calls.append(request)
         if len(calls) == 2:
-            return httpx.Response(503, json={"error": "storage_unavailable", "message": "disk full"})
+            return Reply(503, {"error": "storage_unavailable", "message": "disk full"})
         return posted_items(request)
 
     with stub_producer(handler) as producer:
@@ -130,10 +140,10 @@ def test_result_long_polls_in_steps_of_at_most_60_seconds_until_the_timeout(monk
     monkeypatch.setattr(producer_module, "time", clock)
 
     def handler(request):
-        wait = float(request.url.params.get("wait", 0))
+        wait = float(wait_of(request) or 0)
         waits.append(wait)
         clock.now += wait
-        return httpx.Response(200, json={"id": "a", "status": "pending"})
+        return Reply(200, {"id": "a", "status": "pending"})
 
     with stub_producer(handler) as producer:
         with pytest.raises(ResultTimeout) as raised:
@@ -150,9 +160,9 @@ def test_result_without_a_timeout_polls_until_the_item_ends(monkeypatch):
     waits = []
 
     def handler(request):
-        waits.append(request.url.params["wait"])
+        waits.append(wait_of(request))
         status = next(answers)
-        return httpx.Response(200, json={"id": "a", "status": status, "result": {"ok": True} if status == "finished" else None})
+        return Reply(200, {"id": "a", "status": status, "result": {"ok": True} if status == "finished" else None})
 
     with stub_producer(handler) as producer:
         assert producer.result("jobs", "a") == {"ok": True}
@@ -169,23 +179,27 @@ def test_a_timeout_that_is_not_seconds_is_refused_before_any_request(timeout):
 
 
 def test_an_answer_that_is_not_the_api_s_json_is_a_clear_error():
-    with stub_producer(lambda request: httpx.Response(502, text="<html>Bad Gateway</html>")) as producer:
+    page = b"<html>Bad Gateway</html>"
+    bad_gateway = Reply(raw=b"HTTP/1.1 502 Bad Gateway\r\nContent-Type: text/html\r\nContent-Length: %d\r\n\r\n%s"
+                        % (len(page), page))
+    with stub_producer(lambda request: bad_gateway) as producer:
         with pytest.raises(TaskhosterError, match="unexpected_answer: HTTP 502"):
             producer.stats()
 
 
 def test_url_and_token_come_from_the_environment(monkeypatch):
-    monkeypatch.setenv("TASKHOSTER_URL", URL + "/")
-    monkeypatch.setenv("TASKHOSTER_TOKEN", "th_from_env")
     seen = []
 
     def handler(request):
-        seen.append((str(request.url), request.headers["Authorization"]))
-        return httpx.Response(200, json={"queues": []})
+        seen.append((request.target, request.headers["host"], request.headers["authorization"]))
+        return Reply(200, {"queues": []})
 
-    with Producer(transport=httpx.MockTransport(handler)) as producer:
-        assert producer.stats() == []
-    assert seen == [(f"{URL}/api/queues", "Bearer th_from_env")]
+    with StubServer(handler) as stub:
+        monkeypatch.setenv("TASKHOSTER_URL", stub.url + "/")
+        monkeypatch.setenv("TASKHOSTER_TOKEN", "th_from_env")
+        with Producer() as producer:
+            assert producer.stats() == []
+    assert seen == [("/api/queues", f"127.0.0.1:{stub.port}", "Bearer th_from_env")]
 
 
 @pytest.mark.parametrize(

@@ -2,6 +2,7 @@
 and the end-to-end runs (two worker processes, a killed worker, a restarted server)."""
 
 import asyncio
+import json
 import logging
 import signal
 import subprocess
@@ -17,7 +18,7 @@ import taskhoster.claims as claims_module
 import taskhoster.outbox as outbox_module
 from client_support import client_env, live_server
 from serverproc import PROJECT_DIR
-from taskhoster import ApiError, ConnectionFailed, Job, Producer, TaskhosterError, Unauthorized, UnknownQueue, Worker
+from taskhoster import ConnectionFailed, Job, Producer, TaskhosterError, Unauthorized, UnknownQueue, Worker
 from taskhoster.claims import split_slots
 from taskhoster.connection import backoff_delay
 from taskhoster.link import Link
@@ -84,6 +85,16 @@ def wait_until(condition, timeout: float = 20.0, what: str = "the condition") ->
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.02)
+
+
+def frame_of(frame: dict | str) -> dict:
+    """A frame the worker hands Link.ask, as a dict (result frames come as JSON text)."""
+    return json.loads(frame) if isinstance(frame, str) else frame
+
+
+def answer_later(answered, reply: dict) -> None:
+    """Hand `answered` a made-up answer as the socket would: from the loop, not within ask()."""
+    asyncio.get_running_loop().call_soon(answered, reply)
 
 
 @contextmanager
@@ -216,13 +227,14 @@ def test_the_worker_claims_only_as_many_items_as_it_has_free_slots(live, produce
 
 def test_results_that_finish_together_go_in_one_results_frame(live, producer, monkeypatch):
     frames = []
-    request = Link.request
+    ask = Link.ask
 
-    async def recording(self, frame, **options):
-        frames.append((frame["op"], len(frame.get("items", [])) if frame["op"] == "results" else 1))
-        return await request(self, frame, **options)
+    def recording(self, frame, answered, **options):
+        shown = frame_of(frame)
+        frames.append((shown["op"], len(shown.get("items", [])) if shown["op"] == "results" else 1))
+        return ask(self, frame, answered, **options)
 
-    monkeypatch.setattr(Link, "request", recording)
+    monkeypatch.setattr(Link, "ask", recording)
     gate = {}
 
     async def handle(payload, job):
@@ -241,25 +253,32 @@ def test_results_that_finish_together_go_in_one_results_frame(live, producer, mo
     assert handed_in == [("results", 10)]
 
 
+DISK_FULL = {"op": "error", "code": "storage_unavailable",
+             "message": "the data directory cannot be written: No space left on device"}
+
+
 def disk_full_for_two_hand_ins(monkeypatch, refusal: str = "error frame") -> list[tuple[str, list[str]]]:
     """The first two result or results frames the worker sends are refused as a server with a
     full disk refuses them (not sent on: an error frame, or with `refusal="acks"` an ack per item
     with error `storage_unavailable`); later ones go to the server. Every hand-in: (op, ids)."""
     sent = []
-    request = Link.request
+    ask = Link.ask
 
-    async def refusing(self, frame, **options):
-        if frame["op"] not in ("result", "results"):
-            return await request(self, frame, **options)
-        ids = [entry["id"] for entry in frame.get("items", [frame])]
-        sent.append((frame["op"], sorted(ids)))
+    def refusing(self, frame, answered, **options):
+        shown = frame_of(frame)
+        if shown["op"] not in ("result", "results"):
+            return ask(self, frame, answered, **options)
+        ids = [entry["id"] for entry in shown.get("items", [shown])]
+        sent.append((shown["op"], sorted(ids)))
         if len(sent) > 2:
-            return await request(self, frame, **options)
+            return ask(self, frame, answered, **options)
         if refusal == "acks":
-            return {"op": "acks", "items": [{"id": i, "accepted": False, "error": "storage_unavailable"} for i in ids]}
-        raise ApiError("storage_unavailable", "the data directory cannot be written: No space left on device")
+            answer_later(answered, {"op": "acks", "items": [{"id": i, "accepted": False, "error": "storage_unavailable"}
+                                                           for i in ids]})
+        else:
+            answer_later(answered, DISK_FULL)
 
-    monkeypatch.setattr(Link, "request", refusing)
+    monkeypatch.setattr(Link, "ask", refusing)
     return sent
 
 
@@ -296,17 +315,18 @@ def test_a_result_the_server_could_not_store_rests_while_later_results_go_in(liv
     """The refused result waits RESULT_RETRY_SECONDS before it goes in again (not at once and
     again and again); a result that finishes meanwhile does not wait for it."""
     hand_ins = []  # (when, ids)
-    request = Link.request
+    ask = Link.ask
 
-    async def refusing_the_first(self, frame, **options):
-        if frame["op"] not in ("result", "results"):
-            return await request(self, frame, **options)
-        hand_ins.append((time.monotonic(), [entry["id"] for entry in frame.get("items", [frame])]))
+    def refusing_the_first(self, frame, answered, **options):
+        shown = frame_of(frame)
+        if shown["op"] not in ("result", "results"):
+            return ask(self, frame, answered, **options)
+        hand_ins.append((time.monotonic(), [entry["id"] for entry in shown.get("items", [shown])]))
         if len(hand_ins) == 1:
-            raise ApiError("storage_unavailable", "the data directory cannot be written: No space left on device")
-        return await request(self, frame, **options)
+            return answer_later(answered, DISK_FULL)
+        return ask(self, frame, answered, **options)
 
-    monkeypatch.setattr(Link, "request", refusing_the_first)
+    monkeypatch.setattr(Link, "ask", refusing_the_first)
     later = threading.Event()
 
     def handle(payload, job):
@@ -353,29 +373,36 @@ def test_a_result_too_large_for_the_server_ends_the_item_with_an_error_saying_wh
 def recording_claims(monkeypatch) -> list[tuple[int, int, int]]:
     """Every claim the worker sends, once answered: (max, wait, how many items came)."""
     claims = []
-    request = Link.request
+    ask = Link.ask
 
-    async def recording(self, frame, **options):
-        answer = await request(self, frame, **options)
-        if frame["op"] == "claim":
-            claims.append((frame["max"], frame["wait"], len(answer["items"])))
-        return answer
+    def recording(self, frame, answered, **options):
+        shown = frame_of(frame)
+        if shown["op"] != "claim":
+            return ask(self, frame, answered, **options)
 
-    monkeypatch.setattr(Link, "request", recording)
+        def noting(reply):
+            if reply is not None and reply.get("op") == "items":
+                claims.append((shown["max"], shown["wait"], len(reply["items"])))
+            answered(reply)
+
+        return ask(self, frame, noting, **options)
+
+    monkeypatch.setattr(Link, "ask", recording)
     return claims
 
 
 def test_slots_that_free_up_together_are_claimed_together(live, producer, monkeypatch):
     claims = recording_claims(monkeypatch)
     frames = []
-    request = Link.request  # the recording one: handed-in results are counted on top
+    ask = Link.ask  # the recording one: handed-in results are counted on top
 
-    async def counting(self, frame, **options):
-        if frame["op"] in ("result", "results"):
-            frames.append(len(frame.get("items", [frame])))
-        return await request(self, frame, **options)
+    def counting(self, frame, answered, **options):
+        shown = frame_of(frame)
+        if shown["op"] in ("result", "results"):
+            frames.append(len(shown.get("items", [shown])))
+        return ask(self, frame, answered, **options)
 
-    monkeypatch.setattr(Link, "request", counting)
+    monkeypatch.setattr(Link, "ask", counting)
 
     async def handle(payload, job):
         return payload
@@ -480,14 +507,15 @@ def test_a_stopping_worker_keeps_handing_in_a_result_the_server_could_not_store(
 def test_a_claim_that_was_waiting_when_the_stop_came_gives_its_items_back(live, producer, monkeypatch, caplog):
     caplog.set_level(logging.INFO, logger="taskhoster.worker")
     waits = []  # the wait of every claim sent
-    request = Link.request
+    ask = Link.ask
 
-    async def recording(self, frame, **options):
-        if frame["op"] == "claim":
-            waits.append(frame["wait"])
-        return await request(self, frame, **options)
+    def recording(self, frame, answered, **options):
+        shown = frame_of(frame)
+        if shown["op"] == "claim":
+            waits.append(shown["wait"])
+        return ask(self, frame, answered, **options)
 
-    monkeypatch.setattr(Link, "request", recording)
+    monkeypatch.setattr(Link, "ask", recording)
     gate, calls = threading.Event(), []
 
     def handle(payload, job):
@@ -718,15 +746,16 @@ def test_the_worker_reconnects_after_a_server_restart_and_every_item_finishes_on
 
 def test_a_hand_in_that_fails_for_good_stops_the_worker_and_is_not_sent_again(live, producer, monkeypatch):
     sent = []
-    request = Link.request
+    ask = Link.ask
 
-    async def broken_hand_in(self, frame, **options):
-        if frame["op"] in ("result", "results"):
-            sent.append(frame["op"])
+    def broken_hand_in(self, frame, answered, **options):
+        shown = frame_of(frame)
+        if shown["op"] in ("result", "results"):
+            sent.append(shown["op"])
             raise RuntimeError("a bug in handing in")
-        return await request(self, frame, **options)
+        return ask(self, frame, answered, **options)
 
-    monkeypatch.setattr(Link, "request", broken_hand_in)
+    monkeypatch.setattr(Link, "ask", broken_hand_in)
     producer.post("basic", "once")
     with pytest.raises(RuntimeError, match="a bug in handing in"):
         with working(Worker(live.url, live.token, queues=["basic"]), lambda payload, job: payload):
