@@ -18,6 +18,11 @@ def schedule(store, config, *run_ats, payload="p") -> list[str]:
     return [item.id for item in store.post_items(config=config, items=[NewItem(payload, run_at=t) for t in run_ats])]
 
 
+def due_marks(store) -> list[str]:
+    schedule_dir = queue_dir(store, Q) / "schedule"
+    return sorted(mark.name for mark in schedule_dir.glob("*/*"))
+
+
 # ---- scheduled items ---------------------------------------------------------------------------
 
 
@@ -78,6 +83,25 @@ def test_a_quiet_look_for_due_items_lists_no_more_than_a_slot_or_two(store, cloc
     assert len(listed) <= 2 and not any(path.endswith("/scheduled") for path in listed)
 
 
+def test_claims_posts_and_a_quiet_sweep_never_look_at_items_scheduled_for_later(store, clock, config, faults):
+    """What they cost does not grow with the items waiting for later: none of them lists
+    scheduled/ or reads a scheduled item, or lists a slot that is not due."""
+    later = schedule(store, config, *(clock.now + 100 + n for n in range(50)))
+    schedule(store, config, None, None)
+    store.sweep_queue(config=config)  # a process's first look at the queue lists its slots
+    clock.advance(1)
+    faults.clear()
+    store.post_items(config=config, items=[NewItem("one more")])
+    claim_one(store, config)
+    changes = store.sweep_queue(config=config)
+    assert not changes.promoted and not changes.requeued and not changes.failed
+    later_slots = {f"/schedule/{int(clock.now + 100 + n) // SLOT_SECONDS}" for n in range(50)}
+    touched = [path for _, path in faults.calls]
+    assert touched and not [path for path in touched if "/scheduled" in path or any(
+        path.endswith(slot) or slot + "/" in path for slot in later_slots)]
+    assert all(states_of(store, item_id) == ["scheduled"] for item_id in later)
+
+
 def test_the_sweep_promotes_too(store, clock, config):
     (item_id,) = schedule(store, config, clock.now + 5)
     clock.advance(6)
@@ -96,6 +120,45 @@ def test_a_scheduled_item_ages_out_like_any_other(store, clock, config):
     assert store.promote_due(config=config) == []
     aged = store.read_item(queue=Q, item_id=held)
     assert (aged.status, aged.error) == ("failed", "timeout")
+
+
+def test_an_item_marked_for_its_timeout_waits_for_its_run_at_once_the_timeout_is_raised(store, clock, config):
+    (held,) = schedule(store, config, None)
+    claim = claim_one(store, config)
+    release(store, config, held, claim.claim_token, delay=config.queue_seconds * 2)
+    (mark,) = due_marks(store)
+    assert mark.endswith(".read")  # due when it ages out, not at its runAt: read to see which
+    raised = replace(config, queue_seconds=config.queue_seconds * 3)
+    clock.advance(config.queue_seconds + 1)
+    assert store.promote_due(config=raised) == []  # not aged out under the new timeout, not due either
+    assert states_of(store, held) == ["scheduled"]
+    (again,) = due_marks(store)
+    assert not again.endswith(".read")  # marked for its runAt now
+    clock.advance(config.queue_seconds)
+    assert store.promote_due(config=raised) == [held]
+
+
+def test_an_item_due_at_its_run_at_that_aged_out_meanwhile_fails_instead(store, clock, config):
+    (item_id,) = schedule(store, config, clock.now + 100)
+    lowered = replace(config, queue_seconds=50)
+    clock.advance(100)
+    assert store.promote_due(config=lowered) == []
+    aged = store.read_item(queue=Q, item_id=item_id)
+    assert (aged.status, aged.error) == ("failed", "timeout")
+
+
+def test_many_items_due_at_once_are_promoted_in_chunks_each_claimable_at_once(store, clock, config, monkeypatch):
+    import queues.store.transitions as transitions
+
+    monkeypatch.setattr(transitions, "PROMOTE_CHUNK", 3)
+    scheduled = schedule(store, config, *[clock.now + 5] * 8)
+    pushed = []
+    monkeypatch.setattr(store._items.events, "items_available", lambda queue, count: pushed.append(count))
+    clock.advance(5)
+    assert store.promote_due(config=config) == scheduled
+    assert pushed == [3, 3, 2]
+    assert [item.id for item in store.claim_items(config=config, max_items=10)] == scheduled
+    assert due_marks(store) == []
 
 
 def test_a_late_result_is_accepted_while_the_item_is_scheduled(store, clock, config):

@@ -207,7 +207,7 @@ class ItemFiles:
             for item in items:
                 written.append(self.write_aside(queue, item))
             self.flush_files(written)
-            marks = [self.schedule.mark(queue, item.id, item.run_at) for item in items if item.status == "scheduled"]
+            marks = [self.schedule.mark(queue, item.id, item.run_at, at_run_at=True) for item in items if item.status == "scheduled"]
             if marks:
                 self.flush(*self.schedule.directories(queue, marks))
         except BaseException:
@@ -314,7 +314,7 @@ class ItemFiles:
         item that ends from scheduled/ is marked due now, so a crash before its old file is
         removed is settled by the next look for due items (the sweep lists no scheduled/)."""
         if state == "scheduled":
-            self.schedule.mark(queue, done.id, self.clock())
+            self.schedule.mark(queue, done.id, self.clock(), at_run_at=False)
         mark = self.layout.mark(queue, "failed", done.id) if done.status == "failed" else None
         if mark is not None:
             try:

@@ -38,6 +38,7 @@ def give_back(
     if target == "scheduled":
         # due at its run_at, or when it ages out if that comes first (it fails then)
         due = min(back.run_at, back.posted_at + config.queue_seconds)
-        items.flush(*items.schedule.directories(queue, [items.schedule.mark(queue, back.id, due)]))
+        mark = items.schedule.mark(queue, back.id, due, at_run_at=due == back.run_at)
+        items.flush(*items.schedule.directories(queue, [mark]))
     items.rewrite(queue, "processing", back)
     return items.move(queue, back, "processing", target)

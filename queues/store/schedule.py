@@ -7,7 +7,9 @@ passed by (made by a process whose clock is behind, or whose item could not be m
 
 A mark is made, and flushed, before its item shows in scheduled/, so no scheduled item is ever
 without one; a mark whose item is no longer scheduled (it ended, or another process moved it) is
-simply removed when it comes due."""
+simply removed when it comes due. Most marks are for the item's runAt, and the item can be moved
+without reading it; a mark for another moment (when the item ages out, or ends) is named
+`<due>.<id>.read`: its item is read to see what is due."""
 
 import threading
 import time
@@ -20,16 +22,20 @@ from .layout import SLOT_SECONDS, Layout
 RELIST_SECONDS = 60.0
 
 
+READ_SUFFIX = ".read"
+
+
 @dataclass(frozen=True)
 class DueMark:
     due: float
     item_id: str
     path: str
+    at_run_at: bool  # due at the item's runAt: it may be moved without reading it
 
 
 @dataclass(frozen=True)
 class Due:
-    marks: list[DueMark]  # soonest first
+    marks: list[DueMark]  # soonest first, then oldest
     past_slots: list[str]  # the slots before the current one that were looked at: empty once handled
 
 
@@ -40,9 +46,10 @@ class Schedule:
         self._listed_at: dict[str, float] = {}
         self._lock = threading.Lock()
 
-    def mark(self, queue: str, item_id: str, due: float) -> str:
-        """Make the item's mark, not yet flushed (see `flush_marks`); its path."""
-        path = self.layout.due_mark(queue, int(due * 1000), item_id)
+    def mark(self, queue: str, item_id: str, due: float, *, at_run_at: bool) -> str:
+        """Make the item's mark, not yet flushed (see `directories`); its path. `at_run_at`:
+        `due` is the item's runAt."""
+        path = self.layout.due_mark(queue, int(due * 1000), item_id) + ("" if at_run_at else READ_SUFFIX)
         try:
             files.write_new(path, b"")
         except FileExistsError:
@@ -76,7 +83,7 @@ class Schedule:
                 if mark is not None and mark.due <= now:
                     marks.append(mark)
         past = [self.layout.slot(queue, slot) for slot in sorted(slots) if slot < current]
-        return Due(sorted(marks, key=lambda mark: mark.due), past)
+        return Due(sorted(marks, key=lambda mark: (mark.due, mark.item_id)), past)
 
     @staticmethod
     def passed(due: Due) -> None:
@@ -87,7 +94,8 @@ class Schedule:
 
 
 def _parse(name: str, path: str) -> DueMark | None:
-    due, _, item_id = name.partition(".")
+    due, _, rest = name.partition(".")
+    item_id = rest.removesuffix(READ_SUFFIX)
     if not (due.isdigit() and ids.is_valid_id(item_id)):
         return None
-    return DueMark(int(due) / 1000, item_id, path)
+    return DueMark(int(due) / 1000, item_id, path, at_run_at=item_id == rest)

@@ -52,11 +52,13 @@ from .records import (
     timed_out,
 )
 from .requeue import give_back
+from .schedule import DueMark
 
 MAX_BATCH = 1000
 DEFAULT_MIN_FREE_BYTES = 64 << 20
 MIN_FREE_SHARE = 0.05  # the default reserve is at most this share of the file system
 _PROBE_BYTES = 4096  # /healthz writes a real block: an empty file needs no room at all
+PROMOTE_CHUNK = 1000  # due items made claimable together: the first are handed out while the rest move
 
 log = logging.getLogger(__name__)
 
@@ -439,42 +441,58 @@ class Store:
 
     def promote_due(self, *, config: QueueConfig) -> list[str]:
         """Move the scheduled items that came due to pending (those past their queue timeout are
-        failed instead); the ids moved. Looks only at what came due since the last look."""
+        failed instead); the ids moved. Looks only at what came due since the last look. Many
+        due at once go in chunks, each claimable as soon as it is moved."""
         queue, now = config.name, self.clock()
         self.ensure_queue(queue)
-        promoted = []
+        promoted: list[str] = []
         with self._storage_errors():
             due = self._items.schedule.due(queue, now)
-            for mark in due.marks:
-                with self._items.lock(queue, mark.item_id):
-                    if self._promote(config, mark.item_id, now):
-                        promoted.append(mark.item_id)
-                files.remove(mark.path)
+            for start in range(0, len(due.marks), PROMOTE_CHUNK):
+                promoted += self._promote_marks(config, due.marks[start:start + PROMOTE_CHUNK], now)
             self._items.schedule.passed(due)
-        if promoted:
-            self._items.index(queue).push(promoted)
-            self._items.events.items_available(queue, len(promoted))
         return promoted
 
-    def _promote(self, config: QueueConfig, item_id: str, now: float) -> bool:
+    def _promote_marks(self, config: QueueConfig, marks: list[DueMark], now: float) -> list[str]:
+        queue, moved = config.name, []
+        for mark in marks:
+            with self._items.lock(queue, mark.item_id):
+                if self._promote(config, mark, now):
+                    moved.append(mark.item_id)
+        if moved:  # on disk before their marks go, so none is left without both
+            self._items.flush_states(queue, "pending", "scheduled")
+            self._items.index(queue).push(moved)
+            self._items.events.items_available(queue, len(moved))
+        for mark in marks:
+            files.remove(mark.path)
+        return moved
+
+    def _promote(self, config: QueueConfig, mark: DueMark, now: float) -> bool:
         """Promote one scheduled item whose mark came due (under its lock); whether it went to
-        pending."""
-        queue, layout = config.name, self._items.layout
+        pending. An item due at its runAt, and not aged out by its id's time, moves unread."""
+        queue, layout, item_id = config.name, self._items.layout, mark.item_id
+        scheduled = layout.item(queue, "scheduled", item_id)
+        if files.exists(layout.item(queue, "done", item_id)):
+            files.remove(scheduled)  # a copy a crash left, if any: done wins
+            return False
+        if mark.at_run_at and now - ids.id_millis(item_id) / 1000 <= config.queue_seconds:
+            try:
+                files.move(scheduled, layout.item(queue, "pending", item_id))
+            except FileNotFoundError:
+                return False  # ended, or moved by another process: its mark only remains
+            return True
         item = self._items.read(queue, "scheduled", item_id)
         if item is None:
-            return False  # ended, or moved by another process: its mark only remains
-        if files.exists(layout.item(queue, "done", item_id)):
-            files.remove(layout.item(queue, "scheduled", item_id))  # a copy a crash left: done wins
             return False
         if now - item.posted_at > config.queue_seconds:
             self._items.end(queue, "scheduled", timed_out(item, now))
             return False
         if item.run_at is not None and item.run_at > now:
             # marked for its queue timeout, which was raised since: due at its run_at again
-            mark = self._items.schedule.mark(queue, item_id, item.run_at)
-            self._items.flush(*self._items.schedule.directories(queue, [mark]))
+            again = self._items.schedule.mark(queue, item_id, item.run_at, at_run_at=True)
+            self._items.flush(*self._items.schedule.directories(queue, [again]))
             return False
-        files.move(layout.item(queue, "scheduled", item_id), layout.item(queue, "pending", item_id))
+        files.move(scheduled, layout.item(queue, "pending", item_id))
         return True
 
     def _found(self, queue: str, item_id: str) -> tuple[str, Item]:
