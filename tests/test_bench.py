@@ -82,6 +82,12 @@ def test_quick_bench_reports_every_figure_for_both_fsync_modes(tmp_path):
     assert set(store_alone["claimMicroseconds"]) == {"fsync on", "fsync off"}
     assert all(set(costs) == {"10", "2000"} for costs in store_alone["claimMicroseconds"].values())
     assert set(store_alone["quietSweepSeconds"]) == {"2000"}
+    scheduled = store_alone["scheduled"]
+    assert scheduled["items"] == 2000 and scheduled["dueTogether"]["items"] == 1000
+    for key in ("claimMicroseconds", "postMicroseconds", "quietSweepMs"):
+        assert set(scheduled[key]) == {"without", "with"}
+    assert set(scheduled["dueTogether"]["allPendingSeconds"]) == {"fsync on", "fsync off"}
+    assert settings["scheduledItems"] == 2000 and settings["dueTogether"] == 1000
     assert_all_positive(store_alone)
     # batches are set against our own single posts only; with no peers there is nothing else
     assert set(report["ratios"]) == {"batchesOverSingles"}
@@ -89,6 +95,7 @@ def test_quick_bench_reports_every_figure_for_both_fsync_modes(tmp_path):
     assert_all_positive(report["ratios"])
     assert "serve pid" in progress and "Producer.post" in progress  # progress goes to stderr
     assert "no fsync-on post is answered faster" in progress  # so does the summary
+    assert "1,000 scheduled items due in the same second, all pending in" in progress
 
 
 def test_bench_measures_a_server_given_by_url(tmp_path):
@@ -171,6 +178,8 @@ def test_bench_runs_the_peers_on_their_own_redis(tmp_path):
         ({"measures": ("posts", "speed")}, "--only"),
         ({"producers": (1, 0)}, "--producers"),
         ({"flush_tries": 1}, "--flush-tries"),
+        ({"scheduled_items": 0}, "--scheduled-items"),
+        ({"due_together": 0}, "--due-together"),
         ({"peers": ("celery", "sidekiq")}, "--peers"),
         ({"url": "http://127.0.0.1:9"}, "--token"),
         ({"url": "http://127.0.0.1:9", "token": "t", "measures": ("server-posts", "claim")}, "--only"),

@@ -42,7 +42,7 @@ from .workers import WorkerPool
 CLIENT_MEASURES = ("client-end-to-end", "client-round-trip", "client-producers", "client-batches")
 SERVER_MEASURES = ("server-posts", "server-end-to-end", "server-round-trip")
 API_MEASURES = CLIENT_MEASURES + SERVER_MEASURES
-MEASURES = ("disk", *API_MEASURES, "claim", "big-queue", "sweep")
+MEASURES = ("disk", *API_MEASURES, "claim", "big-queue", "sweep", "scheduled")
 # --only shorthands; posts, end-to-end and round-trip are the server-alone measures' names in
 # earlier builds, so one command measures an earlier build and this one alike
 GROUPS = {
@@ -73,6 +73,8 @@ class BenchSettings:
     round_trips: int = 200
     producers: tuple[int, ...] = (1, 8, 64)
     pending_sizes: tuple[int, ...] = (10, 100_000, 1_000_000)
+    scheduled_items: int = 1_000_000
+    due_together: int = 100_000
     post_seconds: float = 5.0
     server_claims: int = 200
     flush_tries: int = 300
@@ -110,14 +112,16 @@ class BenchSettings:
         described["tmpdir"] = tempfile.gettempdir()  # where the data directories (and Redis' files) are
         if "disk" in self.measures:
             described["flushTries"] = self.flush_tries
-        if _disk_heavy(self):
+        if {"claim", "big-queue", "sweep"} & set(self.measures):
             described["pendingSizes"] = list(self.pending_sizes)
+        if "scheduled" in self.measures:
+            described["scheduledItems"], described["dueTogether"] = self.scheduled_items, self.due_together
         return described
 
 
 QUICK = BenchSettings(
     items=500, round_trips=50, producers=(1, 8), pending_sizes=(10, 2000), post_seconds=0.5, server_claims=20,
-    flush_tries=50,
+    flush_tries=50, scheduled_items=2000, due_together=1000,
 )
 
 
@@ -137,6 +141,8 @@ def check(settings: BenchSettings) -> None:
         raise BadSettings("--producers must be whole numbers of at least 1")
     if not settings.pending_sizes or min(settings.pending_sizes) < 1:
         raise BadSettings("--pending-sizes must be whole numbers of at least 1")
+    if min(settings.scheduled_items, settings.due_together) < 1:
+        raise BadSettings("--scheduled-items and --due-together must be at least 1")
     if settings.post_seconds <= 0:
         raise BadSettings("--post-seconds must be more than 0")
     unknown = set(settings.measures) - set(MEASURES)
@@ -161,12 +167,16 @@ def check(settings: BenchSettings) -> None:
             find_py_spy()
         except RuntimeError as exc:
             raise BadSettings(str(exc)) from exc
-    if _disk_heavy(settings):
-        check_disk_space(Path(tempfile.gettempdir()), settings.biggest)
+    if not settings.url:
+        check_disk_space(Path(tempfile.gettempdir()), _most_files(settings))
 
 
-def _disk_heavy(settings: BenchSettings) -> bool:
-    return not settings.url and bool({"claim", "big-queue", "sweep"} & set(settings.measures))
+def _most_files(settings: BenchSettings) -> int:
+    """The most item files one measurement makes: each is removed before the next begins."""
+    most = settings.biggest if {"claim", "big-queue", "sweep"} & set(settings.measures) else 0
+    if "scheduled" in settings.measures:
+        most = max(most, 2 * settings.scheduled_items)  # an item and its mark each
+    return most
 
 
 def check_disk_space(directory: Path, items: int) -> None:
@@ -223,10 +233,23 @@ def _own_figures(settings: BenchSettings, figures: dict, root: Path, say: Say) -
     if "sweep" in settings.measures:
         say(f"one quiet sweep pass over {settings.biggest:,} pending items (the store alone)")
         store_alone["quietSweepSeconds"] = {str(settings.biggest): store_costs.quiet_sweep_seconds(settings.biggest)}
+    if "scheduled" in settings.measures:
+        store_alone["scheduled"] = _scheduled_figures(settings, say)
     if store_alone:
         figures["storeAlone"] = store_alone
     if not ours:
         del figures["taskhoster"]
+
+
+def _scheduled_figures(settings: BenchSettings, say: Say) -> dict:
+    say(f"a claim, a post and a quiet sweep beside {settings.scheduled_items:,} scheduled items, and without "
+        f"(the store alone)")
+    figures = {"items": settings.scheduled_items, **store_costs.with_scheduled(settings.scheduled_items)}
+    due = figures["dueTogether"] = {"items": settings.due_together, "allPendingSeconds": {}}
+    for fsync in settings.fsync:
+        say(f"{settings.due_together:,} scheduled items coming due in the same second ({_label(fsync)})")
+        due["allPendingSeconds"][_label(fsync)] = store_costs.due_together_seconds(settings.due_together, fsync=fsync)
+    return figures
 
 
 def _peer_figures(settings: BenchSettings, root: Path, say: Say) -> dict:

@@ -21,7 +21,11 @@ The JSON line (one line on stdout; progress and a readable summary go to stderr)
       bigQueue             {pending, firstClaimMs, claimMs, serverPeakMemoryMB}: a fresh server
                            on the biggest queue of --pending-sizes
   storeAlone   the store without a server: claimMicroseconds {"fsync on": {"PENDING": us}},
-               quietSweepSeconds {"PENDING": s}
+               quietSweepSeconds {"PENDING": s}, and
+    scheduled  {items, claimMicroseconds, postMicroseconds, quietSweepMs}: each {without, with}
+               `items` scheduled items waiting for later (fsync off); dueTogether {items,
+               allPendingSeconds {"fsync on"}}: from the second they all come due until a fresh
+               process's promoter has them all pending
   peers."celery (redis in memory)" | "celery (redis aof always)" | "rq (...)" | ...
                the users' workload through each library's normal API, with the same keys as
                taskhoster.*.client: enqueuePerSecond, endToEndPerSecond, roundTripMs
@@ -97,6 +101,7 @@ def summary(figures: dict) -> list[str]:
         lines += [_row(name, measured) for name, measured in rows]
     for mode, parts in figures.get("taskhoster", {}).items():
         lines += _ours_only(mode, parts)
+    lines += _scheduled_lines(figures.get("storeAlone", {}).get("scheduled"))
     lines += _ratio_lines(figures.get("ratios", {}))
     return lines
 
@@ -131,6 +136,20 @@ def _ours_only(mode: str, parts: dict) -> list[str]:
             texts.append("round trip " + " / ".join(f"{alone['roundTripMs'][cut]:.3g}" for cut in CUTS) + " ms")
         lines.append(f"taskhoster {mode}, server alone (lean raw-socket producer): " + ", ".join(texts))
     return lines
+
+
+def _scheduled_lines(scheduled: dict | None) -> list[str]:
+    if not scheduled:
+        return []
+    costs = [f"{what} {scheduled[key]['with']:,.0f} {unit} ({scheduled[key]['without']:,.0f} without)"
+             for key, what, unit in (("claimMicroseconds", "a claim", "us"), ("postMicroseconds", "a post", "us"),
+                                     ("quietSweepMs", "a quiet sweep", "ms"))]
+    due = scheduled["dueTogether"]
+    return [
+        f"store alone, beside {scheduled['items']:,} scheduled items: " + ", ".join(costs),
+        f"store alone, {due['items']:,} scheduled items due in the same second, all pending in: "
+        + ", ".join(f"{seconds:.2f} s ({mode})" for mode, seconds in due["allPendingSeconds"].items()),
+    ]
 
 
 def _ratio_lines(found: dict) -> list[str]:

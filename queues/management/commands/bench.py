@@ -35,8 +35,8 @@ class Command(BaseCommand):
         "Measure Taskhoster on its own throw-away servers (or --url) as users see it, through our\n"
         "Producer and Worker: single posts while 2 workers consume, end to end, round trips,\n"
         "concurrent producers, batches; beside it the server alone (a lean raw-socket producer),\n"
-        "the disk's own flush, claims and a quiet sweep on big queues; with --peers, Celery and\n"
-        "RQ on the same workload. Prints one JSON line; progress and a summary go to stderr."
+        "the disk's own flush, claims and a quiet sweep on big queues, scheduled items; with --peers,\n"
+        "Celery and RQ on the same workload. Prints one JSON line; progress and a summary go to stderr."
     )
 
     def create_parser(self, prog_name, subcommand, **kwargs):
@@ -67,6 +67,11 @@ class Command(BaseCommand):
                             help=f"threads of the concurrent producers, one run each (default {_listed(FULL.producers)})")
         parser.add_argument("--pending-sizes",
                             help=f"pending items to measure a claim at (default {_listed(FULL.pending_sizes)})")
+        parser.add_argument("--scheduled-items", type=int,
+                            help=f"scheduled items to measure a claim, a post and a sweep beside "
+                                 f"(default {FULL.scheduled_items})")
+        parser.add_argument("--due-together", type=int,
+                            help=f"scheduled items coming due in the same second (default {FULL.due_together})")
         parser.add_argument("--post-seconds", type=float,
                             help=f"how long each kind of post runs (default {FULL.post_seconds:g})")
         parser.add_argument("--flush-tries", type=int,
