@@ -249,7 +249,9 @@ class WorkConsumer(AsyncWebsocketConsumer):
         """One of the items this connection holds was canceled: it holds it no more, and its
         worker is told, so it can stop working on it."""
         if self.held.pop((queue, item_id), None) is not None:
-            asyncio.ensure_future(self.answer("canceled", None, queue=queue, id=item_id))
+            # a notice, not an answer: it carries no ref
+            notice = json.dumps({"op": "canceled", "queue": queue, "id": item_id}, separators=(",", ":"))
+            asyncio.ensure_future(self.send(text_data=notice))
 
     def let_go_of(self, queue: str, item_id: str) -> None:
         if self.held.pop((queue, item_id), None) is not None:

@@ -78,6 +78,18 @@ while True:
         time.sleep(0.05)
 """
 
+# A worker that claims one item (waiting for it), says which, and then says every frame it gets.
+LISTENER = """
+import json, sys
+from websockets.sync.client import connect
+url, token, queue = sys.argv[1:]
+socket = connect(url, additional_headers={"Authorization": "Bearer " + token})
+socket.send(json.dumps({"op": "claim", "queue": queue, "max": 1, "wait": 30}))
+print(json.dumps({"held": [item["id"] for item in json.loads(socket.recv())["items"]]}), flush=True)
+while True:
+    print(json.dumps({"frame": json.loads(socket.recv())}), flush=True)
+"""
+
 # A producer that posts items for ever, saying which ones were answered 201.
 PRODUCER = """
 import json, sys, time
@@ -315,6 +327,32 @@ def test_two_servers_wake_each_other_and_hand_each_item_out_once(variant, tmp_pa
         for api in (api_first, api_second):
             counts = api.get("/api/queues/shared").json()["counts"]
             assert counts == {"scheduled": 0, "pending": 0, "processing": 0, "finished": len(posted), "failed": 0}
+
+
+def test_scheduled_items_and_cancels_reach_workers_of_another_server_process(variant, tmp_path):
+    """Two servers: an item scheduled through one comes due and is handed to a worker of the
+    other; canceled through the first, the other's socket that holds it is told."""
+    with ExitStack() as stack:
+        database_url, _ = stack.enter_context(backing_services(variant))
+        deployment = Deployment(tmp_path / "shared", database_url=database_url, redis_url=redis_database(REDIS_DB + 2))
+        token = set_up(deployment, {"later": ("--lease-seconds", "300")})
+        first = stack.enter_context(deployment.server())
+        second = stack.enter_context(deployment.server())
+        start = stack.enter_context(clients(tmp_path))
+        api_first = stack.enter_context(Site(deployment, first, DEFAULT_SERVER, token).api())
+
+        listener = start("listener", LISTENER, second.ws_url, token, "later")
+        item = api_first.post("/api/queues/later/items", json={"payload": 1, "delay": 0.5}).json()
+        assert item["status"] == "scheduled"
+        [held] = listener.wait_for("held")
+        assert held == [item["id"]]
+        claimed = api_first.get(f"/api/queues/later/items/{item['id']}").json()
+        assert claimed["status"] == "processing" and claimed["attempts"] == 1
+
+        canceled = api_first.post(f"/api/queues/later/items/{item['id']}/cancel", json={}).json()
+        assert canceled["canceled"] is True
+        [frame] = listener.wait_for("frame")
+        assert frame == {"op": "canceled", "queue": "later", "id": item["id"]}
 
 
 @ON_DEFAULT_SERVER
