@@ -1,9 +1,12 @@
 """The `taskhoster` command.
 
-    taskhoster post QUEUE [JSON]              post one item (or one JSON per line from stdin); prints ids
+    taskhoster post QUEUE [JSON] [--delay S | --run-at TIME]
+                                              post one item (or one JSON per line from stdin); prints ids
     taskhoster get QUEUE ID [--wait S]        print the item as JSON, after waiting up to S s for it to end
+    taskhoster retry QUEUE ID                 post an ended item again; prints the new item
+    taskhoster cancel QUEUE ID                end an item that has not ended; prints it
     taskhoster stats [QUEUE]                  print a queue (or every queue, one per line) as JSON
-    taskhoster work QUEUE [--concurrency N] -- CMD ARGS...
+    taskhoster work QUEUE [--concurrency N] [--retry] -- CMD ARGS...
                                               run CMD per item: payload on stdin, result from stdout
 
 The server and the token come from --url/--token or TASKHOSTER_URL/TASKHOSTER_TOKEN. An error is
@@ -57,6 +60,13 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _positive_seconds(text: str) -> float:
+    value = _seconds(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError(f"expected seconds, more than 0, not {text!r}")
+    return value
+
+
 def _reject_constant(name: str):
     raise ValueError(f"{name} is not JSON")
 
@@ -81,7 +91,7 @@ def post(args) -> int:
                     for number, line in enumerate(sys.stdin.buffer, 1) if line.strip()]
     with Producer(args.url, args.token) as producer:
         try:
-            items = producer.post_many(args.queue, payloads)
+            items = producer.post_many(args.queue, payloads, delay=args.delay, run_at=args.run_at)
         except TaskhosterError as exc:
             for item in getattr(exc, "posted", []):  # batches that did go in before the error
                 print(item["id"])
@@ -98,6 +108,18 @@ def get(args) -> int:
         else:
             item = producer.get(args.queue, args.id, payload=args.payload)
     _print_json(item)
+    return 0
+
+
+def retry(args) -> int:
+    with Producer(args.url, args.token) as producer:
+        _print_json(producer.retry(args.queue, args.id))
+    return 0
+
+
+def cancel(args) -> int:
+    with Producer(args.url, args.token) as producer:
+        _print_json(producer.cancel(args.queue, args.id))
     return 0
 
 
@@ -118,7 +140,9 @@ def work(args) -> int:
     if shutil.which(command[0]) is None:
         raise UsageError(f"command not found: {command[0]}")
     queues = [name for name in args.queue.split(",") if name]
-    worker = Worker(args.url, args.token, queues=queues, concurrency=args.concurrency, grace=args.grace)
+    worker = Worker(args.url, args.token, queues=queues, concurrency=args.concurrency, grace=args.grace,
+                    on_error="retry" if args.retry else "result", retry_base=args.retry_base,
+                    retry_cap=args.retry_cap)
     logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="taskhoster: %(message)s")
     worker.run(ProgramHandler(command))
     return 0
@@ -137,6 +161,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = commands.add_parser("post", parents=[server], help="post one item, or one JSON per line from stdin")
     p.add_argument("queue")
     p.add_argument("json", nargs="?", help="the payload; without it, one payload per line is read from stdin")
+    when = p.add_mutually_exclusive_group()
+    when.add_argument("--delay", type=_seconds, metavar="S", help="schedule the items S seconds from now")
+    when.add_argument("--run-at", metavar="TIME",
+                      help="schedule the items for TIME, ISO-8601 with an offset (2026-12-24T18:00:00+01:00)")
     p.set_defaults(run=post)
 
     p = commands.add_parser("get", parents=[server], help="print an item")
@@ -146,14 +174,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--payload", action="store_true", help="include the payload")
     p.set_defaults(run=get)
 
+    p = commands.add_parser("retry", parents=[server], help="post a finished or failed item again, as a new item")
+    p.add_argument("queue")
+    p.add_argument("id")
+    p.set_defaults(run=retry)
+
+    p = commands.add_parser("cancel", parents=[server], help="end a scheduled, pending or processing item now")
+    p.add_argument("queue")
+    p.add_argument("id")
+    p.set_defaults(run=cancel)
+
     p = commands.add_parser("stats", parents=[server], help="print a queue's settings and counts, or every queue's")
     p.add_argument("queue", nargs="?")
     p.set_defaults(run=stats)
 
     p = commands.add_parser("work", parents=[server], help="run a command for each item of a queue",
-                            usage="taskhoster work QUEUE [--concurrency N] -- CMD ARGS...")
+                            usage="taskhoster work QUEUE [--concurrency N] [--retry] -- CMD ARGS...")
     p.add_argument("queue", help="the queue to work (several: a,b)")
     p.add_argument("--concurrency", type=_count, default=1, metavar="N", help="items at once (default 1)")
+    p.add_argument("--retry", action="store_true",
+                   help="when CMD fails, give the item back for another try after a backoff, while the "
+                        "queue's maxAttempts allows (default: its error is the result)")
+    p.add_argument("--retry-base", type=_positive_seconds, default=1.0, metavar="S",
+                   help="the first retry waits up to S seconds, each next one up to twice as long (default 1)")
+    p.add_argument("--retry-cap", type=_positive_seconds, default=600.0, metavar="S",
+                   help="no retry waits more than S seconds (default 600)")
     p.add_argument("--grace", type=_seconds, default=30.0, metavar="S",
                    help="on SIGTERM, seconds to let running commands finish (default 30)")
     p.set_defaults(run=work, command=[])

@@ -5,17 +5,27 @@ import asyncio
 import inspect
 import json
 import queue
+import random
 import threading
 import traceback
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
 TRACEBACK_TAIL_CHARS = 4000  # the end of a traceback is where the cause is
+MESSAGE_CHARS = 4000  # an error result goes in as a result or a lastError: it must stay small
 DEFAULT_LEASE_SECONDS = 60.0
 
 Handler = Callable[[Any, "Job"], Any] | Callable[[Any, "Job"], Awaitable[Any]]
+
+
+class Canceled(threading.Event):
+    """Set when the item is canceled while its handler runs. It is true once set, so a blocking
+    handler may check `if job.canceled:` between steps, or sleep with `job.canceled.wait(s)`."""
+
+    def __bool__(self) -> bool:
+        return self.is_set()
 
 
 @dataclass(frozen=True)
@@ -29,6 +39,14 @@ class Job:
     claimed_at: str  # ISO-8601, as the server wrote it
     lease_expires_at: str
     lease_seconds: float  # the queue's lease, which the worker renews while the handler runs
+    max_attempts: int | None = None  # the queue's limit on claims of one item; None: no limit
+    last_error: Any = None  # what the last release of the item said went wrong, if one did
+    canceled: Canceled = field(default_factory=Canceled, compare=False, repr=False)
+
+    @property
+    def is_last_try(self) -> bool:
+        """The queue will not hand the item out again: giving it back ends it as max_attempts."""
+        return self.max_attempts is not None and self.attempts >= self.max_attempts
 
     @classmethod
     def from_item(cls, item: dict) -> "Job":
@@ -40,6 +58,8 @@ class Job:
             claimed_at=item.get("claimedAt") or "",
             lease_expires_at=item.get("leaseExpiresAt") or "",
             lease_seconds=_lease_seconds(item),
+            max_attempts=item.get("maxAttempts"),
+            last_error=item.get("lastError"),
         )
 
 
@@ -52,11 +72,29 @@ def _lease_seconds(item: dict) -> float:
     return max(1.0, (end - start).total_seconds())
 
 
+class HandlerFailed(Exception):
+    """A handler's failure that says itself what its error result is: `details` goes in under
+    "error" as it is (a program's exit status and stderr, say)."""
+
+    def __init__(self, details: dict):
+        super().__init__(details.get("message", ""))
+        self.details = details
+
+
 def error_result(exc: BaseException) -> dict:
     """The in-band result of a handler that raised: its type, message and the tail of its
     traceback, under "error", so a producer tells it from a normal result."""
+    if isinstance(exc, HandlerFailed):
+        return {"error": exc.details}
     text = "".join(traceback.format_exception(exc))
-    return {"error": {"type": type(exc).__name__, "message": str(exc), "traceback": text[-TRACEBACK_TAIL_CHARS:]}}
+    return {"error": {"type": type(exc).__name__, "message": str(exc)[:MESSAGE_CHARS],
+                      "traceback": text[-TRACEBACK_TAIL_CHARS:]}}
+
+
+def retry_delay(attempts: int, base: float, cap: float) -> float:
+    """Exponential backoff with full jitter: anything from 0 up to base * 2^(attempts - 1), at
+    most `cap`, so items that failed together do not all come back together."""
+    return round(random.uniform(0, min(cap, base * 2 ** min(attempts - 1, 64))), 3)
 
 
 # made once: json.dumps with any option makes a new encoder at every call

@@ -4,7 +4,9 @@ the item was claimed over, until its handler finishes."""
 import asyncio
 import logging
 import math
+from dataclasses import replace
 from collections.abc import Callable, Coroutine
+from typing import Any
 
 from .errors import ApiError
 from .jobs import Job
@@ -13,12 +15,19 @@ from .link import Link, LinkClosed
 log = logging.getLogger("taskhoster.worker")
 
 
-async def release(link: Link, job: Job) -> None:
-    """Give the item back to its queue now."""
+async def release(link: Link, job: Job, *, delay: float = 0, error: Any = None) -> None:
+    """Give the item back to its queue: pending now, or scheduled `delay` seconds from now;
+    `error` (if not None) is kept on the item as its lastError."""
+    frame = {"op": "release", "queue": job.queue, "id": job.id}
+    if delay:
+        frame["delay"] = delay
+    if error is not None:
+        frame["error"] = error
     try:
-        await link.request({"op": "release", "queue": job.queue, "id": job.id})
-    except (ApiError, LinkClosed):
-        pass  # not held any more, or the socket closed: either way it is not ours
+        await link.request(frame)
+    except (ApiError, LinkClosed) as exc:
+        # not held any more, or the socket closed: either way it is not ours
+        log.info("release of %s %s not taken (%s)", job.queue, job.id, exc or "socket closed")
 
 
 DUE_SLACK_SECONDS = 0.001  # a timer may fire this much before its time: what is due then is due
@@ -57,7 +66,8 @@ class Leases:
         if lease is None:
             self._held[job.id] = _Lease(job, link, due)
         else:
-            lease.job, lease.link, lease.due = job, link, due
+            # the handler holds the first claim's job: a cancel must reach it through that one
+            lease.job, lease.link, lease.due = replace(job, canceled=lease.job.canceled), link, due
         if self._timer is None or due < self._timer.when():
             self._set_timer(due)
 
@@ -65,14 +75,18 @@ class Leases:
         """The handler finished: stop renewing (the timer, if it fires, finds nothing due)."""
         self._held.pop(item_id, None)
 
+    def job(self, item_id: str) -> Job | None:
+        lease = self._held.get(item_id)
+        return None if lease is None else lease.job
+
     def held(self) -> list[tuple[Job, Link]]:
         return [(lease.job, lease.link) for lease in self._held.values()]
 
-    async def give_back(self, item_id: str) -> None:
-        """Release the item over the socket it was last claimed over."""
+    async def give_back(self, item_id: str, *, delay: float = 0, error: Any = None) -> None:
+        """Release the item over the socket it was last claimed over (see `release`)."""
         lease = self._held.get(item_id)
         if lease is not None:
-            await release(lease.link, lease.job)
+            await release(lease.link, lease.job, delay=delay, error=error)
 
     def _set_timer(self, when: float) -> None:
         if self._timer is not None:

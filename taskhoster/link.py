@@ -53,6 +53,8 @@ class Link:
         self._watch: asyncio.TimerHandle | None = None
         self._closed = False
         self.answered = False  # the server has answered a frame over this socket
+        # called with (queue, id) when the server says an item held over this socket was canceled
+        self.on_canceled: Callable[[str, str], None] | None = None
         socket.on_message = self._receive
 
     @property
@@ -109,7 +111,8 @@ class Link:
             self._watch = self._loop.call_later(WATCH_SECONDS, self._look_for_late)
 
     def _receive(self, message: str) -> None:
-        """A frame from the server: to the request that waits for its ref."""
+        """A frame from the server: to the request that waits for its ref, or (a `canceled`
+        notice, which answers no request) to `on_canceled`."""
         try:
             reply = json.loads(message)
         except ValueError:
@@ -120,6 +123,8 @@ class Link:
         waiting = self._waiting.pop(str(reply.get("ref")), None)
         if waiting is not None:
             waiting[0](reply)
+        elif reply.get("op") == "canceled" and self.on_canceled is not None:
+            self.on_canceled(str(reply.get("queue")), str(reply.get("id")))
 
     async def serve_until_closed(self) -> None:
         """Wait until the socket closes; then tell every request still waiting (with None)."""

@@ -47,6 +47,10 @@ class Outbox:
         """Raises TypeError or ValueError, and keeps nothing, if the result is not JSON."""
         self._results[job.id] = (job.queue, result, encode(result))
 
+    def discard(self, item_id: str) -> None:
+        """Not to be handed in after all (the item was canceled)."""
+        self._results.pop(item_id, None)
+
     def hand_in(self, link: Link) -> None:
         """Hand in the results not yet acknowledged, one frame at a time: results that finish
         while a frame is out go together in the next one. Results resting after a storage error

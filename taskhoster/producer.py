@@ -5,6 +5,7 @@ is the same for asyncio. Both speak the server's Producer API over HTTP and noth
 import json
 import time
 from collections.abc import Iterable, Iterator
+from datetime import datetime, timedelta
 from typing import Any
 from urllib.parse import quote
 
@@ -37,10 +38,42 @@ def _encode(value: Any) -> bytes:
     return _encoder.encode(value).encode()
 
 
-def _batch_bodies(payloads: Iterable[Any]) -> Iterator[bytes]:
-    """Bodies of `{"items": [...]}` posts, each at most 1000 items and about 8 MiB. Every payload is encoded before the first body is made, so a payload that is
-    not JSON fails before anything is sent."""
-    encoded = [b'{"payload":' + _encode(payload) + b"}" for payload in payloads]
+Delay = float | timedelta | None
+RunAt = datetime | str | None
+
+
+def _when(delay: Delay, run_at: RunAt) -> bytes:
+    """The fields that schedule an item, to go inside its JSON object: `,"delay":S` or
+    `,"runAt":T`, or nothing. A datetime without a time zone is refused: which instant it means
+    would depend on the machine."""
+    if delay is not None and run_at is not None:
+        raise ValueError("give delay or run_at, not both")
+    if delay is not None:
+        if isinstance(delay, timedelta):
+            delay = delay.total_seconds()
+        if isinstance(delay, bool) or not isinstance(delay, (int, float)):
+            raise TypeError(f"delay must be seconds or a timedelta, not {delay!r}")
+        return b',"delay":' + _encode(delay)
+    if run_at is not None:
+        if isinstance(run_at, datetime):
+            if run_at.utcoffset() is None:
+                raise ValueError("run_at must have a time zone (datetime.now(timezone.utc), say)")
+            run_at = run_at.isoformat()
+        if not isinstance(run_at, str):
+            raise TypeError(f"run_at must be a datetime or an ISO-8601 string, not {run_at!r}")
+        return b',"runAt":' + _encode(run_at)
+    return b""
+
+
+def _item_body(payload: Any, when: bytes) -> bytes:
+    return b'{"payload":' + _encode(payload) + when + b"}"
+
+
+def _batch_bodies(payloads: Iterable[Any], when: bytes) -> Iterator[bytes]:
+    """Bodies of `{"items": [...]}` posts, each at most 1000 items and about 8 MiB. Every payload
+    is encoded before the first body is made, so a payload that is not JSON fails before anything
+    is sent."""
+    encoded = [_item_body(payload, when) for payload in payloads]
     start = 0
     while start < len(encoded):
         end, size = start, 0
@@ -94,6 +127,11 @@ def _expired(deadline: float | None) -> bool:
     return deadline is not None and time.monotonic() >= deadline
 
 
+def _followed(item: dict, follow_retries: bool) -> str | None:
+    """The retry to follow from an item that ended, if asked to and there is one."""
+    return item.get("retriedAs") if follow_retries and item["status"] in TERMINAL else None
+
+
 def _outcome(item: dict, timeout: float | None) -> Any:
     """The result of an item that `wait` returned, or why there is none."""
     if item["status"] == "finished":
@@ -122,15 +160,19 @@ class Producer:
     def _call(self, method: str, target: str, body: bytes | None = None, wait: float = 0) -> Any:
         return _read(self._http.call(method, target, body, self._timeout + wait), self.url + target)
 
-    def post(self, queue: str, payload: Any) -> dict:
-        """Post one item; returns it as the server made it (its `id` above all)."""
-        return self._call("POST", _items_path(queue), b'{"payload":' + _encode(payload) + b"}")
+    def post(self, queue: str, payload: Any, *, delay: Delay = None, run_at: RunAt = None) -> dict:
+        """Post one item; returns it as the server made it (its `id` above all). With `delay`
+        (seconds, or a timedelta) or `run_at` (a datetime with a time zone, or an ISO-8601 string
+        with an offset) it is scheduled: no worker gets it before then."""
+        return self._call("POST", _items_path(queue), _item_body(payload, _when(delay, run_at)))
 
-    def post_many(self, queue: str, payloads: Iterable[Any]) -> list[dict]:
+    def post_many(self, queue: str, payloads: Iterable[Any], *, delay: Delay = None,
+                  run_at: RunAt = None) -> list[dict]:
         """Post many items, in batches of up to 1000; returns them in order. Each batch is all or
-        nothing; if one fails, the error's `posted` lists the items of the batches before it."""
+        nothing; if one fails, the error's `posted` lists the items of the batches before it.
+        `delay` or `run_at` schedules every item, as for post()."""
         posted: list[dict] = []
-        for body in _batch_bodies(payloads):
+        for body in _batch_bodies(payloads, _when(delay, run_at)):
             try:
                 answer = self._call("POST", _items_path(queue), body)
             except TaskhosterError as exc:
@@ -147,16 +189,37 @@ class Producer:
     def wait(self, queue: str, item_id: str, *, timeout: float | None = None, payload: bool = False) -> dict:
         """Read the item once it is finished or failed, or as it is when `timeout` seconds have
         passed (None: no limit). Long-polls in steps of at most 60 s."""
-        deadline = _deadline(timeout)
+        return self._wait(queue, item_id, _deadline(timeout), payload)
+
+    def _wait(self, queue: str, item_id: str, deadline: float | None, payload: bool = False) -> dict:
         while True:
             item = self.get(queue, item_id, wait=_wait_step(deadline), payload=payload)
             if item["status"] in TERMINAL or _expired(deadline):
                 return item
 
-    def result(self, queue: str, item_id: str, *, timeout: float | None = None) -> Any:
+    def result(self, queue: str, item_id: str, *, timeout: float | None = None,
+               follow_retries: bool = False) -> Any:
         """Wait for the item to end and return its result. Raises ItemFailed if it failed (its
-        `error` says why) and ResultTimeout if `timeout` seconds pass first (None: no limit)."""
-        return _outcome(self.wait(queue, item_id, timeout=timeout), timeout)
+        `error` says why) and ResultTimeout if `timeout` seconds pass first (None: no limit).
+        With `follow_retries`, an item that ended and was retried (`retriedAs`) stands for its
+        retry: the result is that of the last retry, within the same timeout."""
+        deadline = _deadline(timeout)
+        item = self._wait(queue, item_id, deadline)
+        while (retry := _followed(item, follow_retries)) is not None:
+            item = self._wait(queue, retry, deadline)
+        return _outcome(item, timeout)
+
+    def retry(self, queue: str, item_id: str) -> dict:
+        """Post a finished or failed item again, as a new item with its payload; returns the new
+        item (`retryOf` is the old id). Asked again, it returns the same new item. Raises
+        ApiError `not_ended` if the item has not ended."""
+        return self._call("POST", _items_path(queue, item_id) + "/retry", b"{}")
+
+    def cancel(self, queue: str, item_id: str) -> dict:
+        """End a scheduled, pending or processing item now, as failed with error "canceled"; a
+        worker that holds it is told. Returns the item; its `canceled` is False if the item had
+        ended already (it is then left as it was)."""
+        return self._call("POST", _items_path(queue, item_id) + "/cancel", b"{}")
 
     def stats(self, queue: str | None = None) -> dict | list[dict]:
         """One queue's settings and counts, or (no queue) every queue the token may see."""
@@ -186,12 +249,13 @@ class AsyncProducer:
     async def _call(self, method: str, target: str, body: bytes | None = None, wait: float = 0) -> Any:
         return _read(await self._http.call(method, target, body, self._timeout + wait), self.url + target)
 
-    async def post(self, queue: str, payload: Any) -> dict:
-        return await self._call("POST", _items_path(queue), b'{"payload":' + _encode(payload) + b"}")
+    async def post(self, queue: str, payload: Any, *, delay: Delay = None, run_at: RunAt = None) -> dict:
+        return await self._call("POST", _items_path(queue), _item_body(payload, _when(delay, run_at)))
 
-    async def post_many(self, queue: str, payloads: Iterable[Any]) -> list[dict]:
+    async def post_many(self, queue: str, payloads: Iterable[Any], *, delay: Delay = None,
+                        run_at: RunAt = None) -> list[dict]:
         posted: list[dict] = []
-        for body in _batch_bodies(payloads):
+        for body in _batch_bodies(payloads, _when(delay, run_at)):
             try:
                 answer = await self._call("POST", _items_path(queue), body)
             except TaskhosterError as exc:
@@ -205,14 +269,27 @@ class AsyncProducer:
 
     async def wait(self, queue: str, item_id: str, *, timeout: float | None = None,
                    payload: bool = False) -> dict:
-        deadline = _deadline(timeout)
+        return await self._wait(queue, item_id, _deadline(timeout), payload)
+
+    async def _wait(self, queue: str, item_id: str, deadline: float | None, payload: bool = False) -> dict:
         while True:
             item = await self.get(queue, item_id, wait=_wait_step(deadline), payload=payload)
             if item["status"] in TERMINAL or _expired(deadline):
                 return item
 
-    async def result(self, queue: str, item_id: str, *, timeout: float | None = None) -> Any:
-        return _outcome(await self.wait(queue, item_id, timeout=timeout), timeout)
+    async def result(self, queue: str, item_id: str, *, timeout: float | None = None,
+                     follow_retries: bool = False) -> Any:
+        deadline = _deadline(timeout)
+        item = await self._wait(queue, item_id, deadline)
+        while (retry := _followed(item, follow_retries)) is not None:
+            item = await self._wait(queue, retry, deadline)
+        return _outcome(item, timeout)
+
+    async def retry(self, queue: str, item_id: str) -> dict:
+        return await self._call("POST", _items_path(queue, item_id) + "/retry", b"{}")
+
+    async def cancel(self, queue: str, item_id: str) -> dict:
+        return await self._call("POST", _items_path(queue, item_id) + "/cancel", b"{}")
 
     async def stats(self, queue: str | None = None) -> dict | list[dict]:
         if queue is not None:

@@ -1,14 +1,14 @@
 """Any program as a handler: it runs once per item with the payload as JSON on stdin, and its
 stdout, parsed as JSON, is the result.
 
-A program that exits non-zero, or whose stdout is not one JSON value, yields an in-band error
-result instead:
+A program that exits non-zero, or whose stdout is not one JSON value, fails the item with one of
+these errors (the result, or with retries the item's lastError until its last try):
 
     {"error": {"type": "ExitStatus", "message": ..., "exitCode": 3, "stderr": "<tail>"}}
     {"error": {"type": "InvalidOutput", "message": ..., "stdout": "<tail>", "stderr": "<tail>"}}
 
-The program also finds the item in its environment: TASKHOSTER_ITEM_ID, TASKHOSTER_QUEUE and
-TASKHOSTER_ATTEMPTS.
+The program also finds the item in its environment: TASKHOSTER_ITEM_ID, TASKHOSTER_QUEUE,
+TASKHOSTER_ATTEMPTS and TASKHOSTER_MAX_ATTEMPTS (empty when the queue has no limit).
 """
 
 import asyncio
@@ -17,7 +17,7 @@ import os
 import signal
 from typing import Any
 
-from .jobs import Job
+from .jobs import HandlerFailed, Job
 
 TAIL_CHARS = 2000
 
@@ -38,6 +38,7 @@ class ProgramHandler:
             "TASKHOSTER_ITEM_ID": job.id,
             "TASKHOSTER_QUEUE": job.queue,
             "TASKHOSTER_ATTEMPTS": str(job.attempts),
+            "TASKHOSTER_MAX_ATTEMPTS": "" if job.max_attempts is None else str(job.max_attempts),
         }
         process = await asyncio.create_subprocess_exec(
             *self.command,
@@ -49,25 +50,25 @@ class ProgramHandler:
         try:
             stdout, stderr = await process.communicate(json.dumps(payload).encode() + b"\n")
         except asyncio.CancelledError:
-            # the worker gave up on this item (grace period over): do not leave the program behind
+            # the item was canceled, or the worker gave up on it: do not leave the program behind
             process.kill()
             raise
         if process.returncode != 0:
-            return {"error": {
+            raise HandlerFailed({
                 "type": "ExitStatus",
                 "message": _exit_message(self.command[0], process.returncode),
                 "exitCode": process.returncode,
                 "stderr": _tail(stderr),
-            }}
+            })
         try:
             return json.loads(stdout)
         except ValueError as exc:
-            return {"error": {
+            raise HandlerFailed({
                 "type": "InvalidOutput",
                 "message": f"the output of {self.command[0]} is not JSON: {exc}",
                 "stdout": _tail(stdout),
                 "stderr": _tail(stderr),
-            }}
+            }) from None
 
 
 def _exit_message(program: str, returncode: int) -> str:

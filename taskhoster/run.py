@@ -11,11 +11,11 @@ acts on what changed, once per event-loop turn.
 import asyncio
 import logging
 from collections.abc import Coroutine
-from typing import Any
+from typing import Any, NamedTuple
 
 from .claims import Claims
 from .connection import Connection
-from .jobs import Handler, HandlerThreads, Job, error_result, is_async
+from .jobs import Handler, HandlerThreads, Job, error_result, is_async, retry_delay
 from .leases import Leases, release
 from .link import Link
 from .outbox import Outbox
@@ -29,12 +29,13 @@ class Run:
     act this turn, `take` a claimed job, how many handlers are `busy`, whether it has `failed`."""
 
     def __init__(self, handler: Handler, *, url: str, token: str, queues: list[str], concurrency: int,
-                 on_error: str, grace: float):
+                 on_error: str, retry_base: float, retry_cap: float, grace: float):
         self.loop = asyncio.get_running_loop()
         self._handler = handler
         self._in_threads = not is_async(handler)  # decided once, not for every item
         self._threads = HandlerThreads()
         self._on_error = on_error
+        self._retry_base, self._retry_cap = retry_base, retry_cap
         self._claims = Claims(self, queues, concurrency, url)
         self._shutdown = Shutdown(grace, stop_claiming=self._claims.stop, busy=self.busy,
                                   abandon=self._abandon_handlers, unsent=self._unsent)
@@ -118,6 +119,7 @@ class Run:
             link.socket.flush()
 
     def _socket_opened(self, link: Link) -> None:
+        link.on_canceled = self._canceled
         self._claims.socket_opened(link)
         self.nudge()  # results that finished while away go in first
 
@@ -151,8 +153,9 @@ class Run:
                 value, exc = await self._handler(job.payload, job), None
             except (Exception, SystemExit) as error:
                 value, exc = None, error
-            if self._keep_outcome(job, value, exc):
-                await self._leases.give_back(job.id)
+            give_back = self._keep_outcome(job, value, exc)
+            if give_back is not None:
+                await self._leases.give_back(job.id, delay=give_back.delay, error=give_back.error)
         finally:
             self._finished(job)
 
@@ -161,34 +164,57 @@ class Run:
         try:
             if exc is not None and not isinstance(exc, (Exception, SystemExit)):
                 raise exc  # KeyboardInterrupt, say: not the handler's failure but the run's
-            if self._keep_outcome(job, value, exc):
-                self.spawn(self._give_back(job))
+            give_back = self._keep_outcome(job, value, exc)
+            if give_back is not None:
+                self.spawn(self._give_back(job, give_back))
                 return  # the slot stays taken until the item is back
         except BaseException as fatal:
             self.fail(fatal)
         self._finished(job)
 
-    async def _give_back(self, job: Job) -> None:
+    async def _give_back(self, job: Job, give_back: "GiveBack") -> None:
         try:
-            await self._leases.give_back(job.id)
+            await self._leases.give_back(job.id, delay=give_back.delay, error=give_back.error)
         finally:
             self._finished(job)
 
-    def _keep_outcome(self, job: Job, value: Any, exc: BaseException | None) -> bool:
-        """The handler's result, or its error as an in-band result, into the outbox; True when
-        the item is to be given back instead (on_error="release")."""
+    def _keep_outcome(self, job: Job, value: Any, exc: BaseException | None) -> "GiveBack | None":
+        """The handler's result, or its error as an in-band result, into the outbox; or, when
+        the item is to be given back instead (on_error "release", or "retry" with tries left),
+        how. The outcome of a canceled item is dropped: the server would refuse it."""
+        if job.canceled:
+            log.info("%s %s was canceled; its handler's outcome is dropped", job.queue, job.id)
+            return None
         if exc is None:
             try:
                 self._outbox.add(job, value)
-                return False
+                return None
             except Exception as error:  # the result is not JSON
                 exc = error
+        result = error_result(exc)
         if self._on_error == "release":
             log.warning("handler failed on %s %s (%s); releasing it", job.queue, job.id, exc)
-            return True
+            return GiveBack(0, result)
+        if self._on_error == "retry" and not job.is_last_try:
+            delay = retry_delay(job.attempts, self._retry_base, self._retry_cap)
+            log.warning("handler failed on %s %s (%s); trying again in %.1f s", job.queue, job.id, exc, delay)
+            return GiveBack(delay, result)
         log.warning("handler failed on %s %s: %r", job.queue, job.id, exc)
-        self._outbox.add(job, error_result(exc))
-        return False
+        self._outbox.add(job, result)
+        return None
+
+    def _canceled(self, queue: str, item_id: str) -> None:
+        """The server says the item was canceled: whatever its handler makes would be refused.
+        An async handler's task is cancelled; a blocking handler sees `job.canceled`."""
+        self._outbox.discard(item_id)
+        job = self._leases.job(item_id)
+        if job is None or job.queue != queue:
+            return  # its handler is over
+        job.canceled.set()
+        self._leases.let_go(item_id)
+        running = self._handlers.get(item_id)
+        if isinstance(running, asyncio.Task):
+            running.cancel()
 
     def _finished(self, job: Job) -> None:
         del self._handlers[job.id]
@@ -207,6 +233,13 @@ class Run:
 
     def _unsent(self) -> int:
         return len(self._outbox)
+
+
+class GiveBack(NamedTuple):
+    """How a failed item goes back: scheduled `delay` seconds from now, with `error` as its lastError."""
+
+    delay: float
+    error: Any
 
 
 class InThread:

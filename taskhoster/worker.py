@@ -9,9 +9,17 @@ for every result ready and one claim for every free slot; a few free slots wait 
     Worker(url, token, queues=["thumbs"], concurrency=4).run(handler)
 
 `handler(payload, job)` is a plain function (run in a thread of its own) or an async function;
-`job` is a `Job` (id, queue, attempts, ...). What it returns is the item's result. If it raises,
-the result is `{"error": {"type", "message", "traceback"}}` (on_error="result", the default), or
-the item is released for another try (on_error="release").
+`job` is a `Job` (id, queue, attempts, max_attempts, ...). What it returns is the item's result.
+If it raises, the error `{"error": {"type", "message", "traceback"}}` is
+
+    on_error="result"   the item's result (the default)
+    on_error="retry"    kept as the item's lastError while it is released for another try after
+                        a backoff (exponential from `retry_base`, at most `retry_cap` seconds,
+                        full jitter); on the item's last allowed try it is the result
+    on_error="release"  kept as the item's lastError while it is released for another try now
+
+A canceled item's handler is told: an async one's task is cancelled, a plain one sees
+`job.canceled` become true. Whatever it makes is dropped.
 """
 
 import asyncio
@@ -23,7 +31,8 @@ from .errors import TaskhosterError
 from .jobs import Handler
 from .run import Run
 
-ON_ERROR = ("result", "release")
+ON_ERROR = ("result", "retry", "release")
+MAX_RETRY_DELAY_SECONDS = 86400  # the server's limit on a release's delay
 
 
 class Worker:
@@ -32,19 +41,24 @@ class Worker:
     handlers before it releases their items."""
 
     def __init__(self, url: str | None = None, token: str | None = None, *, queues: list[str],
-                 concurrency: int = 1, on_error: str = "result", grace: float = 30.0):
+                 concurrency: int = 1, on_error: str = "result", retry_base: float = 1.0,
+                 retry_cap: float = 600.0, grace: float = 30.0):
         if isinstance(queues, str) or not queues or not all(isinstance(q, str) and q for q in queues):
             raise TaskhosterError("queues must be a non-empty list of queue names")
         if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
             raise TaskhosterError("concurrency must be a whole number of at least 1")
         if on_error not in ON_ERROR:
             raise TaskhosterError(f"on_error must be one of {', '.join(ON_ERROR)}, not {on_error!r}")
+        if not 0 < retry_base <= retry_cap <= MAX_RETRY_DELAY_SECONDS:
+            raise TaskhosterError(f"retry_base and retry_cap must be seconds with 0 < retry_base <= retry_cap <= "
+                                  f"{MAX_RETRY_DELAY_SECONDS}")
         if grace < 0:
             raise TaskhosterError("grace must be 0 or more seconds")
         self.url, self._token = server_settings(url, token)
         self.queues = list(dict.fromkeys(queues))
         self.concurrency = concurrency
         self.on_error = on_error
+        self.retry_base, self.retry_cap = retry_base, retry_cap
         self.grace = grace
         self._lock = threading.Lock()  # stop() may come from any thread, even before the run starts
         self._run: Run | None = None
@@ -60,7 +74,8 @@ class Worker:
         """Work on the running event loop until stop() is called; raises as run() does."""
         with self._lock:
             run = self._run = Run(handler, url=self.url, token=self._token, queues=self.queues,
-                                  concurrency=self.concurrency, on_error=self.on_error, grace=self.grace)
+                                  concurrency=self.concurrency, on_error=self.on_error, retry_base=self.retry_base,
+                                  retry_cap=self.retry_cap, grace=self.grace)
             if self._early_stop is not None:
                 run.request_stop(self._early_stop)
                 self._early_stop = None

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import httpx
@@ -37,7 +38,9 @@ exit 3
 
 @pytest.fixture(scope="module")
 def live(tmp_path_factory):
-    queues = {name: {} for name in ("cli", "stdin", "badlines", "reads", "work", "failing", "notjson")}
+    queues = {name: {} for name in ("cli", "stdin", "badlines", "reads", "work", "failing", "notjson", "later",
+                                    "ended")}
+    queues["tries"] = {"max_attempts": 3}
     with live_server(tmp_path_factory.mktemp("cli"), queues) as live:
         yield live
 
@@ -255,6 +258,67 @@ def test_work_turns_a_non_zero_exit_or_output_that_is_not_json_into_error_result
     assert not_json["error"]["type"] == "InvalidOutput"
     assert not_json["error"]["stdout"] == "plain words\n"
     assert "is not JSON" in not_json["error"]["message"]
+
+
+FAILS_TWICE_SCRIPT = """#!/bin/sh
+cat > /dev/null
+if [ "$TASKHOSTER_ATTEMPTS" -lt 3 ]; then
+    echo "try $TASKHOSTER_ATTEMPTS of $TASKHOSTER_MAX_ATTEMPTS failed" >&2
+    exit 1
+fi
+echo '{"done on": '$TASKHOSTER_ATTEMPTS'}'
+"""
+
+
+def test_work_with_retry_gives_a_failing_item_back_until_its_command_succeeds(live, producer, tmp_path):
+    fails_twice = script(tmp_path, "fails-twice.sh", FAILS_TWICE_SCRIPT)
+    worker = subprocess.Popen(
+        cli_command("work", "tries", "--retry", "--retry-base", "0.05", "--retry-cap", "0.1", "--", str(fails_twice)),
+        cwd=PROJECT_DIR, env=client_env(live), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        item = producer.post("tries", {"n": 1})
+        assert producer.result("tries", item["id"], timeout=30) == {"done on": 3}
+    finally:
+        worker.send_signal(signal.SIGTERM)
+        assert worker.wait(30) == 0
+    last_error = producer.get("tries", item["id"])["lastError"]["error"]
+    assert last_error["type"] == "ExitStatus" and last_error["exitCode"] == 1
+    assert last_error["stderr"] == "try 2 of 3 failed\n"
+
+
+def test_post_with_delay_or_run_at_schedules_the_items(live, producer):
+    in_an_hour = (datetime.now(timezone.utc) + timedelta(hours=1)).strftime("%Y-%m-%dT%H:%M:%S")
+    delayed = run_cli(live, "post", "later", "1", "--delay", "3600")
+    at = run_cli(live, "post", "later", "--run-at", in_an_hour + "+00:00", stdin="2\n3\n")
+    assert delayed.returncode == 0 and at.returncode == 0, delayed.stderr + at.stderr
+    ids = delayed.stdout.split() + at.stdout.split()
+    items = [producer.get("later", item_id) for item_id in ids]
+    assert [item["status"] for item in items] == ["scheduled"] * 3
+    assert [item["runAt"] for item in items[1:]] == [in_an_hour + ".000Z"] * 2
+
+
+def test_post_refuses_delay_and_run_at_together_and_a_time_without_an_offset(live, producer):
+    before = producer.stats("later")["counts"]
+    both = run_cli(live, "post", "later", "1", "--delay", "5", "--run-at", "2099-12-01T23:59:59Z")
+    assert_one_line_error(both, 2, "not allowed with argument")
+    no_offset = run_cli(live, "post", "later", "1", "--run-at", "2099-12-01T23:59:59")
+    assert_one_line_error(no_offset, 1, "invalid_request")
+    assert producer.stats("later")["counts"] == before
+
+
+def test_cancel_and_retry_print_the_item(live, producer):
+    item = producer.post("ended", {"n": 1})
+    canceled = run_cli(live, "cancel", "ended", item["id"])
+    assert canceled.returncode == 0, canceled.stderr
+    shown = json.loads(canceled.stdout)
+    assert (shown["status"], shown["error"], shown["canceled"]) == ("failed", "canceled", True)
+
+    retried = run_cli(live, "retry", "ended", item["id"])
+    assert retried.returncode == 0, retried.stderr
+    again = json.loads(retried.stdout)
+    assert again["retryOf"] == item["id"] and again["status"] == "pending"
+    assert_one_line_error(run_cli(live, "retry", "ended", again["id"]), 1, "not_ended")
+    assert_one_line_error(run_cli(live, "cancel", "ended", MISSING_ID), 1, "not_found")
 
 
 def test_the_installed_console_script_runs_the_cli():

@@ -1,5 +1,6 @@
 """The README's client examples run against a live server, so they stay true: every ```python and
-```sh block of the sections "Use it from Python" and "Any program as a worker", as written."""
+```sh block of the sections "Use it from Python", "Retries, delays and cancel" and "Any program as
+a worker", as written."""
 
 import os
 import re
@@ -13,7 +14,6 @@ from client_support import client_env, live_server
 from serverproc import PROJECT_DIR
 
 README = PROJECT_DIR / "README.md"
-SECTIONS = ("Use it from Python", "Any program as a worker")
 
 
 def code_blocks(section: str) -> list[tuple[str, str]]:
@@ -26,7 +26,8 @@ def code_blocks(section: str) -> list[tuple[str, str]]:
 
 @pytest.fixture(scope="module")
 def live(tmp_path_factory):
-    with live_server(tmp_path_factory.mktemp("readme"), {"thumbs": {}, "shout": {}, "words": {}}) as live:
+    with live_server(tmp_path_factory.mktemp("readme"), {"thumbs": {}, "shout": {}, "words": {},
+                                                                   "mail": {"max_attempts": 5}}) as live:
         yield live
 
 
@@ -42,11 +43,12 @@ def env(live, tmp_path):
     return client_env(live, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
 
 
-def test_the_python_examples_work_together(live, env, tmp_path):
-    blocks = [code for language, code in code_blocks("Use it from Python") if language == "python"]
+def run_with_worker(live, env, tmp_path, section: str) -> list[str]:
+    """Run the section's producer examples while its one worker example runs; their outputs."""
+    blocks = [code for language, code in code_blocks(section) if language == "python"]
     workers = [code for code in blocks if "Worker(" in code]
     producers = [code for code in blocks if "Worker(" not in code]
-    assert len(workers) == 1 and len(producers) == 2
+    assert len(workers) == 1 and producers
 
     worker = subprocess.Popen([sys.executable, "-c", workers[0]], cwd=tmp_path, env=env, stderr=subprocess.PIPE,
                               text=True)
@@ -59,11 +61,22 @@ def test_the_python_examples_work_together(live, env, tmp_path):
     for done in outputs:
         assert done.returncode == 0, f"{done.stderr}\nworker: {worker_errors}\nserver: {live.server.output()[-2000:]}"
     assert worker.returncode == 0, worker_errors
+    return [done.stdout for done in outputs]
 
-    sync_lines = outputs[0].stdout.splitlines()
+
+def test_the_python_examples_work_together(live, env, tmp_path):
+    outputs = run_with_worker(live, env, tmp_path, "Use it from Python")
+    assert len(outputs) == 2
+    sync_lines = outputs[0].splitlines()
     assert sync_lines[0] == "{'thumbnail': 'cat-128.png', 'attempt': 1}"
     assert sync_lines[1].startswith("{'scheduled': 0, 'pending': ")
-    assert outputs[1].stdout.strip() == str([f"{n}-128.png" for n in range(10)])
+    assert outputs[1].strip() == str([f"{n}-128.png" for n in range(10)])
+
+
+def test_the_retry_examples_work_together(live, env, tmp_path):
+    outputs = run_with_worker(live, env, tmp_path, "Retries, delays and cancel")
+    # the canceled reminder, retried: its retry failed once, then went out
+    assert outputs == ["{'sent to': 'ann', 'tries': 2}\n"]
 
 
 def test_the_program_worker_examples_work(live, env, tmp_path):
