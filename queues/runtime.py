@@ -20,7 +20,7 @@ from .events import hub
 from .registry import Registry
 from .store import Store
 
-STORE_THREADS = 16  # enough for many concurrent posts and results to wait for one flush together
+STORE_THREADS = 4  # enough concurrent posts and results to share a flush; more only contend for the GIL
 SCAN_THREADS = 2
 ON_LOOP = frozenset({"read_item", "claim_items"})
 SCANS = frozenset({"count_items", "list_items", "throughput", "check_health", "sweep_queue", "take_snapshot"})
