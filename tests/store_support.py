@@ -40,5 +40,5 @@ def copy_file(store: Store, item_id: str, source: str, target: str) -> None:
 
 
 def half_written(store: Store, queue: str = Q) -> list[str]:
-    """What tmp/ holds but the spares kept to be written over: files a writer left half done."""
-    return [name for name in files_in(store, "tmp", queue) if not name.startswith("spare-")]
+    """What tmp/ holds: files a writer left half done."""
+    return files_in(store, "tmp", queue)

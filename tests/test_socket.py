@@ -342,7 +342,7 @@ async def test_a_results_frame_whose_one_queue_cannot_store_still_hands_in_the_o
         {"id": theirs, "accepted": True},
     ]
     assert (status("jobs", mine), status("other", theirs)) == ("pending", "finished")  # re-queued at close
-    assert not [n for n in os.listdir(store.data_dir / "jobs" / "tmp") if not n.startswith("spare-")]
+    assert not os.listdir(store.data_dir / "jobs" / "tmp")
 
 
 async def test_a_data_directory_that_cannot_be_written_is_storage_unavailable(token, settings):

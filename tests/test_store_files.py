@@ -166,44 +166,9 @@ def test_posts_that_share_a_failed_flush_all_fail_and_leave_nothing(tmp_path, mo
     assert half_written(store) == []
 
 
-def test_a_discarded_file_is_written_over_by_the_next_one_whole_cut_and_without_its_attributes(tmp_path):
+def test_a_write_that_fails_leaves_nothing(tmp_path, faults):
     directory = tmp_path / "tmp"
     directory.mkdir()
-    old = tmp_path / "old"
-    old.write_bytes(b"x" * 3000)
-    os.setxattr(old, "user.taskhoster", b"3 1.0 2.0 token")
-    inode = old.stat().st_ino
-    files.discard(str(old), spare_in=str(directory))
-    assert not old.exists() and [name for name in os.listdir(directory) if name.startswith("spare-")]
-    files.write_new(str(directory / "new.json"), b'{"short": true}')
-    new = directory / "new.json"
-    assert new.stat().st_ino == inode  # no new file was made
-    assert new.read_bytes() == b'{"short": true}'  # cut to its length: no old bytes, no padding
-    assert os.listxattr(new) == []
-    assert os.listdir(directory) == ["new.json"]
-
-
-def test_spares_are_bounded_small_and_short_lived(tmp_path, monkeypatch):
-    directory = tmp_path / "tmp"
-    directory.mkdir()
-    monkeypatch.setattr(files, "SPARES_PER_DIRECTORY", 2)
-    for n in range(3):
-        (tmp_path / f"f{n}").write_bytes(b"x")
-        files.discard(str(tmp_path / f"f{n}"), spare_in=str(directory))
-    (tmp_path / "big").write_bytes(b"x" * (files.SPARE_MAX_BYTES + 1))
-    files.discard(str(tmp_path / "big"), spare_in=str(directory))
-    assert len(os.listdir(directory)) == 2  # the third and the big one were deleted
-    assert not [path for path in tmp_path.iterdir() if path.is_file()]
-    monkeypatch.setattr(files, "SPARE_SECONDS", -1)  # as if a minute had passed
-    assert files.expire_spares(str(directory)) == 2
-    assert os.listdir(directory) == []
-
-
-def test_a_write_over_a_spare_that_fails_leaves_nothing(tmp_path, faults):
-    directory = tmp_path / "tmp"
-    directory.mkdir()
-    (tmp_path / "old").write_bytes(b"x" * 100)
-    files.discard(str(tmp_path / "old"), spare_in=str(directory))
     faults.fail(calls={"write"}, error=errno.ENOSPC)
     with pytest.raises(OSError):
         files.write_new(str(directory / "new.json"), b"data")

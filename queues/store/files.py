@@ -2,10 +2,6 @@
 
 - A file is written whole or not at all (`write_new`): a write the disk cuts short is carried on,
   one that writes nothing means the disk is full, and on any failure the file is removed.
-- A file no longer needed is kept as a spare (`discard`), and the next file written in the same
-  directory is written over it, whole and cut to its length: on some disks (ext4 without a
-  journal, mounted with discard) making a file after many were deleted is the dearest step of a
-  transition, and deleting one waits for its blocks to be discarded.
 - Files and directories reach the disk through `flush_files` and `flush_directory`. Concurrent
   callers share a directory's flush (group commit): each waits for the first flush of the
   directory that starts after it asked, and one of them runs it for all.
@@ -19,21 +15,15 @@ how many bytes to write at most, to cut a write short).
 """
 
 import errno
-import itertools
 import logging
 import os
 import shutil
 import threading
-import time
-from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 FILE_MODE = 0o600
 DIRECTORY_MODE = 0o700
-SPARES_PER_DIRECTORY = 4096  # enough for a burst of a few thousand items: at most 16 MiB a queue
-SPARE_MAX_BYTES = 4096  # one block: cutting a longer file down would free blocks after all
-SPARE_SECONDS = 60  # a spare not written over by then is deleted (an old payload does not linger)
 NO_XATTRS = (errno.ENOTSUP, errno.EOPNOTSUPP)
 _START_WRITEBACK = hasattr(os, "posix_fadvise")  # not on macOS
 _READ_SIZE = 1 << 16
@@ -51,18 +41,11 @@ def _before(call: str, path: str) -> int | None:
 
 
 def write_new(path: str, data: bytes, *, mtime: float | None = None) -> None:
-    """Make the file `path` (it must not exist) holding `data`, with `mtime` if given: over a
-    spare of its directory if one is kept, else a new file."""
-    fd, reused = _open_spare(path), True
-    if fd is None:
-        fd, reused = _open_new(path), False
+    """Make the file `path` (it must not exist) holding `data`, with `mtime` if given."""
+    fd = _open_new(path)
     try:
         try:
             _write_all(fd, path, data)
-            if reused:
-                _before("truncate", path)
-                os.ftruncate(fd, len(data))  # within its one block: nothing is freed
-                _drop_attributes(fd, path)
             if mtime is not None:
                 _before("utime", path)
                 os.utime(fd, (mtime, mtime))
@@ -71,39 +54,6 @@ def write_new(path: str, data: bytes, *, mtime: float | None = None) -> None:
     except BaseException:
         remove_quietly(path)
         raise
-
-
-def _open_spare(path: str) -> int | None:
-    """A spare of the directory `path` goes in, moved to `path` and opened; None if none is kept."""
-    while (spare := _spares.take(os.path.dirname(path))) is not None:
-        try:
-            move(spare, path)
-        except FileNotFoundError:
-            continue  # removed meanwhile (the sweep, after an hour)
-        except BaseException:
-            remove_quietly(spare)
-            raise
-        try:
-            _before("open", path)
-            return os.open(path, os.O_WRONLY | os.O_CLOEXEC)
-        except BaseException:
-            remove_quietly(path)
-            raise
-    return None
-
-
-def _drop_attributes(fd: int, path: str) -> None:
-    """A file written whole keeps no extended attribute from its past (a claim record, say)."""
-    try:
-        names = os.listxattr(fd)
-    except OSError as exc:
-        if exc.errno in NO_XATTRS:
-            return
-        raise
-    for name in names:
-        if name.startswith("user."):
-            _before("setxattr", path)
-            os.removexattr(fd, name)
 
 
 def _open_new(path: str) -> int:
@@ -223,73 +173,6 @@ def remove(path: str) -> bool:
         return True
     except FileNotFoundError:
         return False
-
-
-def discard(path: str, *, spare_in: str) -> None:
-    """Remove a file no longer needed: kept as a spare in the directory `spare_in` while there is
-    room and it is small, else deleted. FileNotFoundError is no error: it is gone already."""
-    try:
-        info = os.stat(path)
-    except FileNotFoundError:
-        return
-    if info.st_size <= SPARE_MAX_BYTES and _spares.keep(path, spare_in):
-        return
-    remove(path)
-
-
-def expire_spares(directory: str) -> int:
-    """Delete the spares of `directory` kept longer than SPARE_SECONDS; how many."""
-    return _spares.expire(directory)
-
-
-class _Spares:
-    """Spare files of this process, per directory, oldest first."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._kept: dict[str, deque[tuple[str, float]]] = {}
-        self._serial = itertools.count()
-
-    def keep(self, path: str, directory: str) -> bool:
-        with self._lock:
-            if len(self._kept.get(directory, ())) >= SPARES_PER_DIRECTORY:
-                return False
-            spare = f"{directory}/spare-{os.getpid()}-{next(self._serial)}"
-        try:
-            move(path, spare)
-            os.utime(spare)  # its age in the directory starts now: it is not a leftover
-        except FileNotFoundError:
-            return True  # gone already: nothing to delete
-        except OSError:
-            remove_quietly(spare)
-            return False
-        with self._lock:
-            self._kept.setdefault(directory, deque()).append((spare, time.monotonic()))
-        return True
-
-    def take(self, directory: str) -> str | None:
-        self.expire(directory)
-        with self._lock:
-            kept = self._kept.get(directory)
-            return kept.popleft()[0] if kept else None
-
-    def expire(self, directory: str) -> int:
-        expired = []
-        with self._lock:
-            kept = self._kept.get(directory)
-            while kept and time.monotonic() - kept[0][1] > SPARE_SECONDS:
-                expired.append(kept.popleft()[0])
-        for spare in expired:
-            remove_quietly(spare)
-        return len(expired)
-
-    def forget_below(self, prefix: str) -> None:
-        with self._lock:
-            for directory in [d for d in self._kept if d.startswith(prefix)]:
-                del self._kept[directory]
-
-
-_spares = _Spares()
 
 
 def remove_tree(path: str) -> None:
@@ -441,7 +324,6 @@ class _DirectoryFlush:
 def forget_directories(prefix: str) -> None:
     """Drop what is kept about directories below `prefix` (a queue being deleted)."""
     _DirectoryFlush.forget_below(prefix)
-    _spares.forget_below(prefix)
 
 
 # ---- reading -------------------------------------------------------------------------------

@@ -340,7 +340,7 @@ class ItemFiles:
         """After done/ was flushed: remove the items' old files, count them, and say they ended."""
         for state, done in moved:
             try:
-                files.discard(self.layout.item(queue, state, done.id), spare_in=self.layout.directory(queue, "tmp"))
+                files.remove(self.layout.item(queue, state, done.id))
             except OSError:  # done wins over the copy left, and the sweep removes it
                 log.warning("could not remove the old file of %s in %s", done.id, queue, exc_info=True)
             self.tallies.count(queue, done.status, done.finished_at)

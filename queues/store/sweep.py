@@ -40,7 +40,6 @@ def sweep_queue(items: ItemFiles, config: QueueConfig) -> SweepChanges:
     failed = _fail_aged(items, config, listing["pending"] + listing["processing"])
     requeued = _requeue_lapsed(items, config, listing["processing"])
     deleted = _delete_expired(items, config, listing["done"])
-    files.expire_spares(items.layout.directory(queue, "tmp"))
     tmp_removed = _remove_leftovers(items, queue, set(listing["done"]))
     if requeued:
         items.events.items_available(queue, len(requeued))
