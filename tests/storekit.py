@@ -6,7 +6,8 @@ from queues.store import FinishOutcome, Item, NewItem, QueueConfig, Release, Sto
 
 def post_batch(store: Store, queue: str, payloads: list, **settings) -> list[Item]:
     """Post these payloads as one batch to a queue with these settings (the defaults otherwise)."""
-    return store.post_items(config=QueueConfig(name=queue, **settings), items=[NewItem(p) for p in payloads])
+    posted = store.post_items(config=QueueConfig(name=queue, **settings), items=[NewItem(p) for p in payloads])
+    return [entry.item for entry in posted]
 
 
 def post(store: Store, queue: str, *payloads) -> list[str]:

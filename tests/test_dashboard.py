@@ -567,7 +567,8 @@ async def test_the_feed_stops_computing_when_the_last_dashboard_leaves():
 
 
 def test_the_scheduled_tab_lists_items_with_when_they_are_due(staff_client, queue, clock, clocked_store):
-    [item] = clocked_store.post_items(config=queue.config(), items=[NewItem(1, run_at=clock.now + 125)])
+    [posted] = clocked_store.post_items(config=queue.config(), items=[NewItem(1, run_at=clock.now + 125)])
+    item = posted.item
     response = staff_client.get("/queues/thumbs/?state=scheduled")
     [row] = response.context["items"]
     assert (row["id"], row["due_in"]) == (item.id, "2 min 5 s")

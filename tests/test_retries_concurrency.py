@@ -53,7 +53,7 @@ def racer(data_dir: str, log_path: str, number: int) -> None:
         roll = rng.random()
         if roll < 0.15:
             items = [NewItem(n, run_at=time.time() + rng.choice([0, 0.05, 0.2])) for n in range(rng.randint(1, 4))]
-            posted = store.post_items(config=cfg, items=items)
+            posted = [entry.item for entry in store.post_items(config=cfg, items=items)]
             log += [["posted", item.id] for item in posted]
             known += [item.id for item in posted]
         elif roll < 0.25:
@@ -170,7 +170,7 @@ def crasher(data_dir: str, log_path: str, seed: int) -> None:
     known = []
     while True:
         items = [NewItem(n, run_at=time.time() + rng.choice([0, 0.01, 0.05])) for n in range(rng.randint(1, 5))]
-        posted = store.post_items(config=cfg, items=items)
+        posted = [entry.item for entry in store.post_items(config=cfg, items=items)]
         os.write(log, "".join(f"P {item.id}\n" for item in posted).encode())
         known += [item.id for item in posted]
         store.promote_due(config=cfg)

@@ -15,7 +15,7 @@ from storekit import finish, release
 
 
 def schedule(store, config, *run_ats, payload="p") -> list[str]:
-    return [item.id for item in store.post_items(config=config, items=[NewItem(payload, run_at=t) for t in run_ats])]
+    return [posted.item.id for posted in store.post_items(config=config, items=[NewItem(payload, run_at=t) for t in run_ats])]
 
 
 def due_marks(store) -> list[str]:
@@ -257,7 +257,7 @@ def test_a_retry_of_an_item_that_has_not_ended_is_refused(store, clock, config):
     (item_id,) = schedule(store, config, None)
     with pytest.raises(NotEnded):
         store.retry_item(config=config, item_id=item_id)
-    posted = store.post_items(config=config, items=[NewItem(1)])[0].id
+    posted = store.post_items(config=config, items=[NewItem(1)])[0].item.id
     never_posted = posted[:-1] + ("1" if posted.endswith("0") else "0")
     with pytest.raises(ItemNotFound):
         store.retry_item(config=config, item_id=never_posted)

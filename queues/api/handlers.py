@@ -23,7 +23,8 @@ from ..protocol import (
 )
 from ..runtime import get_registry, get_store, run
 from ..services import describe_queue
-from ..store import ABSENT, NewItem, Release, single
+from ..store import ABSENT, NewItem, Posted, Release, single
+from ..store.keys import check_key
 from .answers import Answer
 from .auth import PRODUCE, WORK, authenticate, authorize
 from .openapi import DOCUMENT
@@ -32,7 +33,7 @@ from .router import Router
 
 HEALTH_TIMEOUT_SECONDS = 5.0
 POST_SHAPE = 'post {"payload": P} or {"items": [{"payload": P}, ...]}'
-ITEM_FIELDS = {"payload", "delay", "runAt"}
+ITEM_FIELDS = {"payload", "delay", "runAt", "key"}
 
 router = Router()
 
@@ -48,17 +49,29 @@ def _clock() -> float:
     return asyncio.get_running_loop().time()
 
 
-def _new_items(body: dict) -> tuple[list[NewItem], bool]:
-    """The items a post makes, and whether it is a batch."""
+def _new_items(body: dict, header_key: str | None) -> tuple[list[NewItem], bool]:
+    """The items a post makes, and whether it is a batch. A single post's key may come in the
+    Idempotency-Key header or its "key" field; a batch's only in each item's field."""
     if ("payload" in body) == ("items" in body) or not isinstance(body.get("items", []), list):
         raise InvalidRequest(POST_SHAPE)
     now = time.time()
     if "payload" in body:
         json_object(body, allowed=ITEM_FIELDS, what="the body")
-        return [NewItem(body["payload"], run_at_field(body, now=now))], False
+        key = _key_field(body) or header_key
+        if header_key is not None and key != header_key:
+            raise InvalidRequest("the Idempotency-Key header and the \"key\" field name different keys")
+        return [NewItem(body["payload"], run_at_field(body, now=now), key)], False
+    if header_key is not None:
+        raise InvalidRequest('the Idempotency-Key header is for a single post: give each item of a batch its own "key"')
     entries = [json_object(e, allowed=ITEM_FIELDS, required={"payload"}, what="each item") for e in body["items"]]
-    return [NewItem(entry["payload"], run_at_field(entry, now=now)) for entry in entries], True
+    return [NewItem(entry["payload"], run_at_field(entry, now=now), _key_field(entry)) for entry in entries], True
 
+
+def _key_field(entry: dict) -> str | None:
+    if "key" not in entry:
+        return None
+    check_key(entry["key"])  # here too, so null is not taken for no key at all
+    return entry["key"]
 
 
 def _no_op() -> bool:
@@ -119,11 +132,17 @@ async def queue_stats(request: Request, queue: str) -> Answer:
 @router.add("POST", "/api/queues/{queue}/items")
 async def post_items(request: Request, queue: str) -> Answer:
     config = await authorize(request, queue, PRODUCE)
-    new, batch = _new_items(json_object(await request.json(), allowed={*ITEM_FIELDS, "items"}))
-    items = await run(get_store().post_items, config=config, items=new)
+    body = json_object(await request.json(), allowed={*ITEM_FIELDS, "items"})
+    new, batch = _new_items(body, request.header(b"idempotency-key"))
+    posted = await run(get_store().post_items, config=config, items=new)
     if batch:
-        return Answer(201, {"items": [item.to_json() for item in items]})
-    return Answer(201, items[0].to_json())
+        return Answer(201, {"items": [_posted_json(entry) for entry in posted]})
+    return Answer(200 if posted[0].duplicate else 201, posted[0].item.to_json())
+
+
+def _posted_json(posted: Posted) -> dict:
+    """An item in a batch's answer; one an earlier post with its key made says so."""
+    return {**posted.item.to_json(), "duplicate": True} if posted.duplicate else posted.item.to_json()
 
 
 @router.add("GET", "/api/queues/{queue}/items/{item_id}")

@@ -78,12 +78,28 @@ ITEM = {
         "lastError": {"description": "Present once a release gave an `error`: what it said (any JSON)."},
         "retryOf": {"type": "string", "format": "uuid", "description": "Present on a retry: the item it retries."},
         "retriedAs": {"type": "string", "format": "uuid", "description": "Present on a retried item: its retry."},
+        "key": {"type": "string", "description": "Present on an item posted with an idempotency key: the key."},
+        "duplicate": {
+            "type": "boolean",
+            "enum": [True],
+            "description": "In a batch's answer: this item was made by an earlier post with the same key.",
+        },
         "maxAttempts": {
             "type": ["integer", "null"],
             "description": "In claim answers: the queue's limit on claims of an item (null: none).",
         },
         "payload": {"description": "In claim answers, and in a read only with `?payload=1`."},
     },
+}
+KEY = {
+    "type": "string",
+    "minLength": 1,
+    "maxLength": 200,
+    "pattern": "^[ -~]+$",
+    "description": (
+        "Idempotency key: while an item posted with it exists, a post with it stores nothing and answers "
+        "that item (another payload: 409 key_conflict)."
+    ),
 }
 SCHEDULE = {
     "delay": {"type": "number", "minimum": 0, "maximum": 2592000, "description": "Due this many seconds from now."},
@@ -122,7 +138,7 @@ POST = {
             "type": "object",
             "required": ["payload"],
             "additionalProperties": False,
-            "properties": {"payload": {"description": "Any JSON value."}, **SCHEDULE},
+            "properties": {"payload": {"description": "Any JSON value."}, **SCHEDULE, "key": KEY},
         },
         {
             "type": "object",
@@ -137,7 +153,7 @@ POST = {
                         "type": "object",
                         "required": ["payload"],
                         "additionalProperties": False,
-                        "properties": {"payload": {}, **SCHEDULE},
+                        "properties": {"payload": {}, **SCHEDULE, "key": KEY},
                     },
                 }
             },
@@ -232,14 +248,25 @@ DOCUMENT = {
                 "operationId": "postItems",
                 "summary": (
                     "Post one item, or a batch of 1 to 1000 (all or nothing). Produce right. An item with `delay` "
-                    "or `runAt` (not both) is scheduled: pending once due, which must be before it ages out."
+                    "or `runAt` (not both) is scheduled: pending once due, which must be before it ages out. "
+                    "A single post's idempotency key may come in the `Idempotency-Key` header or its `key`."
                 ),
+                "parameters": [
+                    {
+                        "name": "Idempotency-Key",
+                        "in": "header",
+                        "required": False,
+                        "schema": KEY,
+                        "description": "The key of a single post (a batch gives each item its own `key`).",
+                    }
+                ],
                 "requestBody": _body(_ref("Post")),
                 "responses": {
                     "201": _json(
                         {"oneOf": [_ref("Item"), _ref("Items")]}, 'The item, or `{"items": [...]}` for a batch.'
                     ),
-                    **_errors(400, 401, 403, 404, 413, 503),
+                    "200": _json(_ref("Item"), "A single post whose key an existing item holds: that item, as it is now."),
+                    **_errors(400, 401, 403, 404, 409, 413, 503),
                 },
             },
         },

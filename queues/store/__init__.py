@@ -7,6 +7,7 @@
     pending      this process's view of a queue's oldest pending ids
     items        one item on disk: read, write aside, move, end, claim record
     schedule     which scheduled items are due, from marks named for when
+    keys         idempotency keys: which item holds each, and their locks
     requeue      giving an item back: now, later, or ended at its maxAttempts
     transitions  the Store: one public method per transition
     sweep        one pass over a queue's timers and crash leftovers
@@ -14,7 +15,7 @@
 """
 
 from .layout import QUEUE_NAME, is_valid_queue_name
-from .records import ABSENT, Counts, FinishOutcome, Health, Item, NewItem, QueueConfig, Release, SweepChanges, single
+from .records import ABSENT, Counts, FinishOutcome, Health, Item, NewItem, Posted, QueueConfig, Release, SweepChanges, single
 from .transitions import MAX_BATCH, Store
 
 __all__ = [
@@ -26,6 +27,7 @@ __all__ = [
     "Health",
     "Item",
     "NewItem",
+    "Posted",
     "QueueConfig",
     "Release",
     "Store",

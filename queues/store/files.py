@@ -378,6 +378,16 @@ def scan(directory: str) -> Iterator[Iterator[str]]:
         yield (entry.name for entry in entries)
 
 
+def any_entry(directory: str) -> bool:
+    """Whether a directory has any entry; reads only the first of however many."""
+    _before("scandir", directory)
+    try:
+        with os.scandir(directory) as entries:
+            return next(entries, None) is not None
+    except FileNotFoundError:
+        return False
+
+
 def status(path: str) -> os.stat_result | None:
     """The file's stat; None if it is not there."""
     try:

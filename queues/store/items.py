@@ -17,6 +17,7 @@ from typing import Protocol
 
 from . import files
 from .layout import DIRECTORIES, Layout
+from .keys import Keys
 from .locks import QueueLocks
 from .pending import PendingIndex
 from .records import Item, Unreadable, decode, encode, encode_claim, with_claim
@@ -72,6 +73,7 @@ class ItemFiles:
         self.claim_xattrs = hasattr(os, "setxattr")  # False once the file system refuses them
         self.tallies = Tallies(layout)
         self.schedule = Schedule(layout)
+        self.keys = Keys(layout)
         self._ready: set[str] = set()  # queues whose directories were made by this process
         self._locks: dict[str, QueueLocks] = {}
         self._indexes: dict[str, PendingIndex] = {}
@@ -107,6 +109,7 @@ class ItemFiles:
         if locks is not None:
             locks.close()
         self.tallies.close(queue)
+        self.keys.close(queue)
         files.forget_directories(self.layout.queue_dir(queue) + "/")
 
     @contextmanager
@@ -194,34 +197,40 @@ class ItemFiles:
         shows whole or not at all, and a scheduled item's mark is on disk before the item shows;
         a single pending item is moved in first and flushed there, which on some file systems
         (ext4 without a journal) also flushes the directory that names it, one flush fewer.
+        An item's idempotency key is linked to its file before the item shows (call under the
+        keys' locks), so no item is ever without its key.
 
         Pending items are in view for this process's claims, and waiting claims told, as soon as
         they may be claimed: a single one while it is flushed, so a worker's part overlaps the
         disk's (were the flush to fail, the item is taken back out, from a claim too)."""
-        if len(items) == 1 and items[0].status == "pending":
+        if len(items) == 1 and items[0].status == "pending" and items[0].key is None:
             self._publish_one(queue, items[0])
             return
         written: list[str] = []
-        marks: list[str] = []
+        made: list[str] = []  # key links and schedule marks, removed if the items do not show
         try:
             for item in items:
                 written.append(self.write_aside(queue, item))
+                if item.key is not None:
+                    made.append(self.keys.link(queue, item.key, written[-1]))
             self.flush_files(written)
             marks = [self.schedule.mark(queue, item.id, item.run_at, at_run_at=True) for item in items if item.status == "scheduled"]
+            made += marks
             if marks:
                 self.flush(*self.schedule.directories(queue, marks))
         except BaseException:
-            for path in written + marks:
+            for path in written + made:
                 files.remove_quietly(path)
             raise
         moved: list[Item] = []
+        keyed = ("keys",) if any(item.key is not None for item in items) else ()
         try:
             for item, path in zip(items, written):
                 files.move(path, self.layout.item(queue, item.status, item.id))
                 moved.append(item)
-            self.flush_states(queue, *sorted({item.status for item in items}))
+            self.flush_states(queue, *sorted({item.status for item in items}), *keyed)
         except BaseException:
-            for path in written[len(moved) :] + marks:
+            for path in written[len(moved) :] + made:
                 files.remove_quietly(path)
             for item in moved:
                 self._take_back(queue, item.status, item.id)

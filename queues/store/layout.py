@@ -7,7 +7,9 @@
     <root>/<queue>/fetched/<id>           marks of done items fetched once; mtime: the first fetch
     <root>/<queue>/stats/<minute>.<status>  how many items ended that minute (the file's size)
     <root>/<queue>/schedule/<slot>/<due>.<id>  marks of scheduled items, by when they are due
+    <root>/<queue>/keys/<sha256 of key>   an idempotency key: a hard link of its item's first file
     <root>/<queue>/locks/items            the queue's item locks
+    <root>/<queue>/locks/keys             its key locks
 
 Every piece is checked before it reaches the file system: a queue name, a state, an id or a mark
 that breaks its rule raises UnsafePath.
@@ -21,10 +23,11 @@ from .. import ids
 from ..exceptions import UnsafePath
 
 QUEUE_NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,63}")
+_DIGEST = re.compile(r"[0-9a-f]{64}")
 ITEM_STATES = ("scheduled", "pending", "processing", "done")
 STATES = ("tmp", *ITEM_STATES)
 MARKS = ("failed", "fetched")
-DIRECTORIES = (*STATES, *MARKS, "quarantine", "stats", "locks", "schedule")
+DIRECTORIES = (*STATES, *MARKS, "quarantine", "stats", "locks", "schedule", "keys")
 SLOT_SECONDS = 10  # a schedule slot: the marks of items due within the same ten seconds
 ITEM_SUFFIX = ".json"
 
@@ -101,3 +104,13 @@ class Layout:
 
     def lock_file(self, queue: str) -> str:
         return f"{self.queue_dir(queue)}/locks/items"
+
+    def key_lock_file(self, queue: str) -> str:
+        return f"{self.queue_dir(queue)}/locks/keys"
+
+    def key(self, queue: str, digest: str) -> str:
+        """The file of an idempotency key, named for its SHA-256 (a key may hold any printable
+        character, a file name may not)."""
+        if not _DIGEST.fullmatch(digest):
+            raise UnsafePath(f"bad key digest {digest[:80]!r}")
+        return f"{self.queue_dir(queue)}/keys/{digest}"

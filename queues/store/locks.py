@@ -52,8 +52,9 @@ class QueueLocks:
             return locks
 
     @contextmanager
-    def hold(self, item_id: str) -> Iterator[None]:
-        stripe = int(item_id[-2:], 16) % STRIPES  # the same in every process, unlike hash()
+    def hold(self, name: str) -> Iterator[None]:
+        """Hold the lock of an item id or a key digest (names that end in two hex digits)."""
+        stripe = stripe_of(name)
         with self._threads[stripe]:
             if not self._depth[stripe]:
                 _lock_byte(self._fd, stripe)
@@ -69,6 +70,11 @@ class QueueLocks:
         with self._open_lock:
             if self._open.pop(self._key, None) is self:
                 os.close(self._fd)
+
+
+def stripe_of(name: str) -> int:
+    """The stripe a name's lock is: the same in every process, unlike hash()."""
+    return int(name[-2:], 16) % STRIPES
 
 
 def _lock_byte(fd: int, offset: int) -> None:

@@ -111,6 +111,15 @@ class NewItem:
 
 
 @dataclass(frozen=True)
+class Posted:
+    """What a post did with one of its items: made `item`, or found it made already by an
+    earlier post with the same idempotency key (`duplicate`), as it is now."""
+
+    item: Item
+    duplicate: bool = False
+
+
+@dataclass(frozen=True)
 class Release:
     """An item given back for another try: by the claim holding it (`claim_token`; None stands
     for any holder), after `delay` seconds, with `error` kept as its lastError. `reason` says who

@@ -16,6 +16,7 @@ import time
 from .. import ids
 from . import files
 from .items import ItemFiles
+from .keys import key_of
 from .layout import MARKS, item_id_of
 from .records import QueueConfig, SweepChanges, timed_out
 from .requeue import give_back
@@ -113,8 +114,9 @@ def _requeue_lapsed(items: ItemFiles, config: QueueConfig, names: list[str]) -> 
 
 
 def _delete_expired(items: ItemFiles, config: QueueConfig, done: list[str]) -> list[str]:
-    """Delete done items whose retention has passed (G7). Reads no file: a done file's mtime is
-    when it ended, a fetched mark's when the item was first fetched."""
+    """Delete done items whose retention has passed (G7), and free their idempotency keys. A
+    done file's mtime is when it ended, a fetched mark's when the item was first fetched; only
+    in a queue that has keys is a deleted item's file read, for its key."""
     queue, layout = config.name, items.layout
     cutoff = items.clock() - config.retain_seconds
     if config.retain_from == "fetched":
@@ -127,9 +129,11 @@ def _delete_expired(items: ItemFiles, config: QueueConfig, done: list[str]) -> l
         bound = ids.time_prefix(int((cutoff + ID_CLOCK_MARGIN_SECONDS) * 1000) + 1)
         candidates = (item_id_of(name) for name in filter(bound.__gt__, done))
         due = [i for i in candidates if i is not None and _ended_by(layout.item(queue, "done", i), cutoff, i)]
+    keyed = items.keys.any(queue)
     deleted = []
     for item_id in due:
-        with items.lock(queue, item_id):
+        key = _key_of(items, layout.item(queue, "done", item_id), item_id) if keyed else None
+        with items.keys.hold(queue, [key] if key else []), items.lock(queue, item_id):
             # a copy a crash left in another state goes first, so the item never comes back
             for state in ("pending", "processing", "scheduled"):
                 files.remove(layout.item(queue, state, item_id))
@@ -137,8 +141,20 @@ def _delete_expired(items: ItemFiles, config: QueueConfig, done: list[str]) -> l
                 continue  # another sweeper was first
             for mark in MARKS:
                 files.remove(layout.mark(queue, mark, item_id))
+            if key and items.keys.holder(queue, key) == item_id:
+                items.keys.remove(queue, key)  # the key goes with its item: a later post makes a new one
         deleted.append(item_id)
     return deleted
+
+
+def _key_of(items: ItemFiles, path: str, item_id: str) -> str | None:
+    """The idempotency key in an item's file, if it has one."""
+    try:
+        raw, _ = files.read(path)
+    except FileNotFoundError:
+        return None
+    found = key_of(raw)
+    return found[1] if found is not None and found[0] == item_id else None
 
 
 def _ended_by(path: str, cutoff: float, item_id: str) -> bool:
@@ -159,10 +175,33 @@ def _remove_leftovers(items: ItemFiles, queue: str, done_names: set[str]) -> int
         for entry in files.names(directory):
             if name in MARKS and entry + ".json" in done_names:
                 continue
-            info = files.status(f"{directory}/{entry}")
-            if info is not None and info.st_mtime < cutoff and files.remove(items.layout.in_directory(queue, name, entry)):
+            path = items.layout.in_directory(queue, name, entry)
+            info = files.status(path)
+            if info is None or info.st_mtime >= cutoff:
+                continue
+            if name == "tmp" and info.st_nlink > 1:
+                _free_key_of_leftover(items, queue, path)
+            if files.remove(path):
                 removed += name == "tmp"
     return removed
+
+
+def _free_key_of_leftover(items: ItemFiles, queue: str, path: str) -> None:
+    """A poster that died after linking its item's key and before moving the item in left the
+    key naming an item that never showed: free it."""
+    try:
+        raw, _ = files.read(path)
+    except FileNotFoundError:
+        return
+    found = key_of(raw)
+    if found is None:
+        return
+    item_id, key = found
+    with items.keys.hold(queue, [key]):
+        with items.lock(queue, item_id):
+            shown = items.find(queue, item_id) is not None
+        if not shown and items.keys.holder(queue, key) == item_id:
+            items.keys.remove(queue, key)
 
 
 

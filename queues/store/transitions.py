@@ -25,6 +25,7 @@ from .. import ids
 from ..exceptions import (
     InvalidRequest,
     ItemNotFound,
+    KeyConflict,
     NotEnded,
     NotHeld,
     PayloadTooLarge,
@@ -34,6 +35,7 @@ from ..exceptions import (
 )
 from . import files, stats, sweep
 from .items import Events, ItemFiles, NoEvents, done_directories
+from .keys import check_key, same_payload
 from .layout import Layout, is_valid_queue_name
 from .pending import CAPACITY
 from .records import (
@@ -43,6 +45,7 @@ from .records import (
     Health,
     Item,
     NewItem,
+    Posted,
     QueueConfig,
     Release,
     SweepChanges,
@@ -147,23 +150,50 @@ class Store:
 
     # ---- transitions ------------------------------------------------------------------------
 
-    def post_items(self, *, config: QueueConfig, items: list[NewItem]) -> list[Item]:
+    def post_items(self, *, config: QueueConfig, items: list[NewItem]) -> list[Posted]:
         """Post a batch, all or nothing; returns once it would survive a power cut. An item with
-        a `run_at` still to come is scheduled; it must come due before its queue timeout."""
+        a `run_at` still to come is scheduled; it must come due before its queue timeout. An
+        item whose idempotency key an existing item holds is that item, as it is now, unless
+        its payload differs (KeyConflict: nothing is posted)."""
         queue = config.name
         if not isinstance(items, list) or not 1 <= len(items) <= MAX_BATCH:
             raise InvalidRequest(f"a batch holds 1 to {MAX_BATCH} items")
         for new in items:
             self._check_size(new.payload, "payload")
+        keys = [new.key for new in items if new.key is not None]
+        for key in keys:
+            check_key(key)
+        if len(set(keys)) < len(keys):
+            raise InvalidRequest("two items of the batch have the same key")
         now = self.clock()
         self._check_schedule(config, [new.run_at for new in items if new.run_at is not None], now)
         self.ensure_queue(queue)
-        with self._storage_errors():
-            self._check_room()
-            new_ids = self._ids.new_ids(len(items), now)
-            made = [_made(item_id, queue, new, now) for item_id, new in zip(new_ids, items)]
-            self._items.publish(queue, made)
-        return made
+        with self._storage_errors(), self._items.keys.hold(queue, keys):
+            held = {new.key: item for new in items if new.key is not None and (item := self._posted_with_key(queue, new))}
+            fresh = [new for new in items if new.key is None or new.key not in held]
+            made: list[Item] = []
+            if fresh:
+                self._check_room()
+                made = [_made(item_id, queue, new, now) for item_id, new in zip(self._ids.new_ids(len(fresh), now), fresh)]
+                self._items.publish(queue, made)
+        made_in_order = iter(made)
+        return [Posted(held[new.key], True) if new.key in held else Posted(next(made_in_order)) for new in items]
+
+    def _posted_with_key(self, queue: str, new: NewItem) -> Item | None:
+        """The item an earlier post with this item's key made, as it is now; None if there is
+        none (a key whose item is gone is freed). Call under the key's lock."""
+        item_id = self._items.keys.holder(queue, new.key)
+        if item_id is None:
+            return None
+        with self._items.lock(queue, item_id):
+            found = self._items.find(queue, item_id)
+        if found is None:
+            self._items.keys.remove(queue, new.key)
+            return None
+        item = found[1]
+        if not same_payload(item.payload, new.payload):
+            raise KeyConflict(f"the key {new.key!r} was posted with another payload: item {item.id}")
+        return item
 
     @staticmethod
     def _check_schedule(config: QueueConfig, run_ats: list[float], now: float) -> None:
