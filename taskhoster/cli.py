@@ -1,6 +1,6 @@
 """The `taskhoster` command.
 
-    taskhoster post QUEUE [JSON] [--delay S | --run-at TIME]
+    taskhoster post QUEUE [JSON] [--delay S | --run-at TIME] [--key KEY]
                                               post one item (or one JSON per line from stdin); prints ids
     taskhoster get QUEUE ID [--wait S]        print the item as JSON, after waiting up to S s for it to end
     taskhoster retry QUEUE ID                 post an ended item again; prints the new item
@@ -89,9 +89,12 @@ def post(args) -> int:
         # every line is checked before anything is sent, so a bad line posts nothing
         payloads = [parse_json(line, f"line {number} of stdin")
                     for number, line in enumerate(sys.stdin.buffer, 1) if line.strip()]
+    if args.key is not None and len(payloads) != 1:
+        raise UsageError(f"--key names one item, and {len(payloads)} were given")
+    keys = None if args.key is None else [args.key]
     with Producer(args.url, args.token) as producer:
         try:
-            items = producer.post_many(args.queue, payloads, delay=args.delay, run_at=args.run_at)
+            items = producer.post_many(args.queue, payloads, delay=args.delay, run_at=args.run_at, keys=keys)
         except TaskhosterError as exc:
             for item in getattr(exc, "posted", []):  # batches that did go in before the error
                 print(item["id"])
@@ -165,6 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
     when.add_argument("--delay", type=_seconds, metavar="S", help="schedule the items S seconds from now")
     when.add_argument("--run-at", metavar="TIME",
                       help="schedule the items for TIME, ISO-8601 with an offset (2026-12-24T18:00:00+01:00)")
+    p.add_argument("--key", help="the item's idempotency key: posted again with it, the item is not made twice "
+                                 "(its id is printed)")
     p.set_defaults(run=post)
 
     p = commands.add_parser("get", parents=[server], help="print an item")

@@ -8,7 +8,8 @@ class TaskhosterError(Exception):
 class ConnectionFailed(TaskhosterError):
     """The server could not be reached (refused, timed out, name not resolved, TLS refused), or the
     connection failed before its answer came; the message says whether a POST may have been
-    carried out (it is never sent twice)."""
+    carried out (it is sent again only by a Producer with `post_retries`, under an idempotency
+    key)."""
 
 
 class ApiError(TaskhosterError):

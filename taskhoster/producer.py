@@ -2,7 +2,9 @@
 is the same for asyncio. Both speak the server's Producer API over HTTP and nothing else, through
 `wire`: each payload is encoded to JSON once, each answer parsed once."""
 
+import asyncio
 import json
+import secrets
 import time
 from collections.abc import Iterable, Iterator
 from datetime import datetime, timedelta
@@ -10,7 +12,7 @@ from typing import Any
 from urllib.parse import quote
 
 from .config import server_settings
-from .errors import ApiError, ItemFailed, ResultTimeout, TaskhosterError, api_error
+from .errors import ApiError, ConnectionFailed, ItemFailed, ResultTimeout, TaskhosterError, api_error
 from .pools import AsyncConnections, Connections
 from .wire import Answer, Endpoint
 
@@ -18,6 +20,7 @@ MAX_BATCH_ITEMS = 1000  # the server's limit per post
 MAX_BATCH_BYTES = 8 << 20  # half the server's default body limit: a batch of big payloads is split
 MAX_WAIT_SECONDS = 60  # the longest the server holds a GET ?wait
 TERMINAL = ("finished", "failed")
+FIRST_RETRY_PAUSE = 0.2  # seconds before a post that failed in transport is sent again; doubled each time
 
 
 def _queue_path(queue: str) -> str:
@@ -65,15 +68,33 @@ def _when(delay: Delay, run_at: RunAt) -> bytes:
     return b""
 
 
-def _item_body(payload: Any, when: bytes) -> bytes:
-    return b'{"payload":' + _encode(payload) + when + b"}"
+def _item_body(payload: Any, when: bytes, key: str | None) -> bytes:
+    body = b'{"payload":' + _encode(payload) + when
+    if key is not None:
+        if not isinstance(key, str):
+            raise TypeError(f"an idempotency key is a string, not {key!r}")
+        body += b',"key":' + _encode(key)
+    return body + b"}"
 
 
-def _batch_bodies(payloads: Iterable[Any], when: bytes) -> Iterator[bytes]:
+def _keys_for(count: int, keys: Iterable[str | None] | None, make_keys: bool) -> list[str | None]:
+    """One key per item: the given ones (None: no key), with keys made for the others when posts
+    are retried (a retry is only safe with a key)."""
+    given = [None] * count if keys is None else list(keys)
+    if len(given) != count:
+        raise ValueError(f"{len(given)} keys for {count} payloads: give one key (or None) per payload")
+    return [_new_key() if key is None and make_keys else key for key in given]
+
+
+def _new_key() -> str:
+    return secrets.token_urlsafe(18)
+
+
+def _batch_bodies(payloads: list[Any], when: bytes, keys: list[str | None]) -> Iterator[bytes]:
     """Bodies of `{"items": [...]}` posts, each at most 1000 items and about 8 MiB. Every payload
     is encoded before the first body is made, so a payload that is not JSON fails before anything
     is sent."""
-    encoded = [_item_body(payload, when) for payload in payloads]
+    encoded = [_item_body(payload, when, key) for payload, key in zip(payloads, keys)]
     start = 0
     while start < len(encoded):
         end, size = start, 0
@@ -84,6 +105,16 @@ def _batch_bodies(payloads: Iterable[Any], when: bytes) -> Iterator[bytes]:
             end += 1
         yield b'{"items":[' + b",".join(encoded[start:end]) + b"]}"
         start = end
+
+
+def _check_retries(post_retries: int) -> int:
+    if isinstance(post_retries, bool) or not isinstance(post_retries, int) or post_retries < 0:
+        raise ValueError(f"post_retries must be a whole number, 0 or more, not {post_retries!r}")
+    return post_retries
+
+
+def _retry_pause(retry: int) -> float:
+    return FIRST_RETRY_PAUSE * 2**retry
 
 
 def _read(answer: Answer, url: str) -> Any:
@@ -150,31 +181,56 @@ class Producer:
     """Post items and read them back, blocking. `url` and `token` default to TASKHOSTER_URL and
     TASKHOSTER_TOKEN. `timeout` bounds each HTTP call (a long-poll gets its wait on top): the
     connection, and each wait for the server's next bytes. Safe to share between threads; it keeps
-    its connections open between calls. Use it as a context manager, or call close()."""
+    its connections open between calls. Use it as a context manager, or call close().
 
-    def __init__(self, url: str | None = None, token: str | None = None, *, timeout: float = 30.0):
+    `post_retries`: how many times a post that failed in transport (the connection failed, or
+    the answer never came) is sent again, after 0.2 s, 0.4 s, ... Every post then carries an
+    idempotency key, one made for it where none is given, so a post the server did store is
+    answered with that item the second time, never made twice."""
+
+    def __init__(self, url: str | None = None, token: str | None = None, *, timeout: float = 30.0,
+                 post_retries: int = 0):
         self.url, token = server_settings(url, token)
         self._timeout = timeout
+        self._post_retries = _check_retries(post_retries)
         self._http = Connections(Endpoint(self.url, token), timeout)
 
     def _call(self, method: str, target: str, body: bytes | None = None, wait: float = 0) -> Any:
         return _read(self._http.call(method, target, body, self._timeout + wait), self.url + target)
 
-    def post(self, queue: str, payload: Any, *, delay: Delay = None, run_at: RunAt = None) -> dict:
+    def _post(self, queue: str, body: bytes) -> Any:
+        for retry in range(self._post_retries + 1):
+            try:
+                return self._call("POST", _items_path(queue), body)
+            except ConnectionFailed:
+                if retry == self._post_retries:
+                    raise
+            time.sleep(_retry_pause(retry))
+
+    def post(self, queue: str, payload: Any, *, delay: Delay = None, run_at: RunAt = None,
+             key: str | None = None) -> dict:
         """Post one item; returns it as the server made it (its `id` above all). With `delay`
         (seconds, or a timedelta) or `run_at` (a datetime with a time zone, or an ISO-8601 string
-        with an offset) it is scheduled: no worker gets it before then."""
-        return self._call("POST", _items_path(queue), _item_body(payload, _when(delay, run_at)))
+        with an offset) it is scheduled: no worker gets it before then. With `key` (1 to 200
+        printable ASCII characters), a post whose key an item in the queue holds makes nothing
+        and returns that item as it is now; with another payload it raises ApiError
+        `key_conflict`."""
+        [key] = _keys_for(1, [key], self._post_retries > 0)
+        return self._post(queue, _item_body(payload, _when(delay, run_at), key))
 
     def post_many(self, queue: str, payloads: Iterable[Any], *, delay: Delay = None,
-                  run_at: RunAt = None) -> list[dict]:
+                  run_at: RunAt = None, keys: Iterable[str | None] | None = None) -> list[dict]:
         """Post many items, in batches of up to 1000; returns them in order. Each batch is all or
         nothing; if one fails, the error's `posted` lists the items of the batches before it.
-        `delay` or `run_at` schedules every item, as for post()."""
+        `delay` or `run_at` schedules every item, as for post(). `keys` gives each payload its
+        idempotency key (or None); an item an earlier post with its key made comes back as it
+        is now, with `"duplicate": true`."""
+        payloads = list(payloads)
+        keys = _keys_for(len(payloads), keys, self._post_retries > 0)
         posted: list[dict] = []
-        for body in _batch_bodies(payloads, _when(delay, run_at)):
+        for body in _batch_bodies(payloads, _when(delay, run_at), keys):
             try:
-                answer = self._call("POST", _items_path(queue), body)
+                answer = self._post(queue, body)
             except TaskhosterError as exc:
                 _note_posted(exc, posted)
                 raise
@@ -241,23 +297,38 @@ class AsyncProducer:
     """`Producer` for asyncio: the same methods, awaited. Tasks may call it at once. Use
     `async with`, or await aclose()."""
 
-    def __init__(self, url: str | None = None, token: str | None = None, *, timeout: float = 30.0):
+    def __init__(self, url: str | None = None, token: str | None = None, *, timeout: float = 30.0,
+                 post_retries: int = 0):
         self.url, token = server_settings(url, token)
         self._timeout = timeout
+        self._post_retries = _check_retries(post_retries)
         self._http = AsyncConnections(Endpoint(self.url, token), timeout)
 
     async def _call(self, method: str, target: str, body: bytes | None = None, wait: float = 0) -> Any:
         return _read(await self._http.call(method, target, body, self._timeout + wait), self.url + target)
 
-    async def post(self, queue: str, payload: Any, *, delay: Delay = None, run_at: RunAt = None) -> dict:
-        return await self._call("POST", _items_path(queue), _item_body(payload, _when(delay, run_at)))
+    async def _post(self, queue: str, body: bytes) -> Any:
+        for retry in range(self._post_retries + 1):
+            try:
+                return await self._call("POST", _items_path(queue), body)
+            except ConnectionFailed:
+                if retry == self._post_retries:
+                    raise
+            await asyncio.sleep(_retry_pause(retry))
+
+    async def post(self, queue: str, payload: Any, *, delay: Delay = None, run_at: RunAt = None,
+                   key: str | None = None) -> dict:
+        [key] = _keys_for(1, [key], self._post_retries > 0)
+        return await self._post(queue, _item_body(payload, _when(delay, run_at), key))
 
     async def post_many(self, queue: str, payloads: Iterable[Any], *, delay: Delay = None,
-                        run_at: RunAt = None) -> list[dict]:
+                        run_at: RunAt = None, keys: Iterable[str | None] | None = None) -> list[dict]:
+        payloads = list(payloads)
+        keys = _keys_for(len(payloads), keys, self._post_retries > 0)
         posted: list[dict] = []
-        for body in _batch_bodies(payloads, _when(delay, run_at)):
+        for body in _batch_bodies(payloads, _when(delay, run_at), keys):
             try:
-                answer = await self._call("POST", _items_path(queue), body)
+                answer = await self._post(queue, body)
             except TaskhosterError as exc:
                 _note_posted(exc, posted)
                 raise
