@@ -20,7 +20,8 @@ from queues.bench.profiling import summary as profile_summary
 from queues.bench.report import ratios, summary
 from serverproc import MANAGE, PROJECT_DIR, Deployment
 
-CLIENT = {"enqueuePerSecond", "endToEndPerSecond", "roundTripMs", "concurrentProducers", "postManyItemsPerSecond"}
+CLIENT = {"enqueuePerSecond", "endToEndPerSecond", "roundTripMs", "concurrentProducers", "postManyItemsPerSecond",
+          "keyed"}
 SERVER_ALONE = {"singlePostsPerSecond", "batchPostItemsPerSecond", "endToEndInBatchesPerSecond", "roundTripMs", "bigQueue"}
 WORKLOAD = {"enqueuePerSecond", "endToEndPerSecond", "roundTripMs"}  # ours through the client, and each peer's
 PEER_EXTRA = ("celery", "rq", "redis")
@@ -77,6 +78,9 @@ def test_quick_bench_reports_every_figure_for_both_fsync_modes(tmp_path):
             assert_percentiles(producers["postMs"], "p50", "p99")
         assert set(alone["bigQueue"]) == {"pending", "firstClaimMs", "claimMs", "serverPeakMemoryMB"}
         assert alone["bigQueue"]["pending"] == 2000
+        for posts in client["keyed"].values():
+            assert set(posts) == {"plain", "keyed"}
+        assert set(client["keyed"]) == {"singlePostsPerSecond", "postManyItemsPerSecond"}
         assert_all_positive(figures)
     store_alone = report["storeAlone"]
     assert set(store_alone["claimMicroseconds"]) == {"fsync on", "fsync off"}
@@ -88,6 +92,9 @@ def test_quick_bench_reports_every_figure_for_both_fsync_modes(tmp_path):
         assert set(scheduled[key]) == {"without", "with"}
     assert set(scheduled["dueTogether"]["allPendingSeconds"]) == {"fsync on", "fsync off"}
     assert settings["scheduledItems"] == 2000 and settings["dueTogether"] == 1000
+    keys = store_alone["keys"]
+    assert keys["items"] == settings["keyedItems"] == 2000
+    assert set(keys["newKeyMicroseconds"]) == set(keys["repeatMicroseconds"]) == {"10", "2000"}
     assert_all_positive(store_alone)
     # batches are set against our own single posts only; with no peers there is nothing else
     assert set(report["ratios"]) == {"batchesOverSingles"}
@@ -96,6 +103,8 @@ def test_quick_bench_reports_every_figure_for_both_fsync_modes(tmp_path):
     assert "serve pid" in progress and "Producer.post" in progress  # progress goes to stderr
     assert "no fsync-on post is answered faster" in progress  # so does the summary
     assert "1,000 scheduled items due in the same second, all pending in" in progress
+    assert "a keyed post beside 2,000 keyed items: new key" in progress
+    assert "with a key per item (without)" in progress
 
 
 def test_bench_measures_a_server_given_by_url(tmp_path):
@@ -179,6 +188,7 @@ def test_bench_runs_the_peers_on_their_own_redis(tmp_path):
         ({"producers": (1, 0)}, "--producers"),
         ({"flush_tries": 1}, "--flush-tries"),
         ({"scheduled_items": 0}, "--scheduled-items"),
+        ({"keyed_items": 9}, "--keyed-items"),
         ({"due_together": 0}, "--due-together"),
         ({"peers": ("celery", "sidekiq")}, "--peers"),
         ({"url": "http://127.0.0.1:9"}, "--token"),

@@ -2,6 +2,7 @@
 the workers are `taskhoster.Worker` processes, queues/bench/worker.py). The workload shared with
 the peers is in workload.py; the concurrent producers and the batches are ours alone."""
 
+import itertools
 import threading
 import time
 
@@ -101,3 +102,31 @@ def batch_items_per_second(producer: Producer, queue: str, *, seconds: float, ba
     while (elapsed := time.perf_counter() - started) < seconds:
         count += len(producer.post_many(queue, payloads))
     return count / elapsed
+
+
+def keyed_and_plain_posts(producer: Producer, queue: str, *, seconds: float, batch: int) -> dict:
+    """Posts with a new idempotency key per item and without, through `Producer.post` and
+    `Producer.post_many` (`batch` a call), in turns of a tenth of `seconds` so the disk's moods
+    fall on both alike: {"singlePostsPerSecond": {"plain", "keyed"}, "postManyItemsPerSecond": ...}."""
+    serial = itertools.count()
+    payloads = [PAYLOAD] * batch
+
+    def single(keyed: bool) -> int:
+        producer.post(queue, PAYLOAD, key=f"bench-{next(serial)}" if keyed else None)
+        return 1
+
+    def many(keyed: bool) -> int:
+        keys = [f"bench-{next(serial)}" for _ in payloads] if keyed else None
+        return len(producer.post_many(queue, payloads, keys=keys))
+
+    figures = {}
+    for name, post in (("singlePostsPerSecond", single), ("postManyItemsPerSecond", many)):
+        counts, spent = {False: 0, True: 0}, {False: 0.0, True: 0.0}
+        for turn in range(20):
+            keyed = bool(turn % 2)
+            started = time.perf_counter()
+            while (elapsed := time.perf_counter() - started) < seconds / 10:
+                counts[keyed] += post(keyed)
+            spent[keyed] += elapsed
+        figures[name] = {"plain": counts[False] / spent[False], "keyed": counts[True] / spent[True]}
+    return figures

@@ -39,10 +39,10 @@ from .profiling import find_py_spy, recording
 from .servers import Deployment, ServerProcess
 from .workers import WorkerPool
 
-CLIENT_MEASURES = ("client-end-to-end", "client-round-trip", "client-producers", "client-batches")
+CLIENT_MEASURES = ("client-end-to-end", "client-round-trip", "client-producers", "client-batches", "client-keys")
 SERVER_MEASURES = ("server-posts", "server-end-to-end", "server-round-trip")
 API_MEASURES = CLIENT_MEASURES + SERVER_MEASURES
-MEASURES = ("disk", *API_MEASURES, "claim", "big-queue", "sweep", "scheduled")
+MEASURES = ("disk", *API_MEASURES, "claim", "big-queue", "sweep", "scheduled", "keys")
 # --only shorthands; posts, end-to-end and round-trip are the server-alone measures' names in
 # earlier builds, so one command measures an earlier build and this one alike
 GROUPS = {
@@ -75,6 +75,7 @@ class BenchSettings:
     pending_sizes: tuple[int, ...] = (10, 100_000, 1_000_000)
     scheduled_items: int = 1_000_000
     due_together: int = 100_000
+    keyed_items: int = 1_000_000
     post_seconds: float = 5.0
     server_claims: int = 200
     flush_tries: int = 300
@@ -116,12 +117,14 @@ class BenchSettings:
             described["pendingSizes"] = list(self.pending_sizes)
         if "scheduled" in self.measures:
             described["scheduledItems"], described["dueTogether"] = self.scheduled_items, self.due_together
+        if "keys" in self.measures:
+            described["keyedItems"] = self.keyed_items
         return described
 
 
 QUICK = BenchSettings(
     items=500, round_trips=50, producers=(1, 8), pending_sizes=(10, 2000), post_seconds=0.5, server_claims=20,
-    flush_tries=50, scheduled_items=2000, due_together=1000,
+    flush_tries=50, scheduled_items=2000, due_together=1000, keyed_items=2000,
 )
 
 
@@ -143,6 +146,8 @@ def check(settings: BenchSettings) -> None:
         raise BadSettings("--pending-sizes must be whole numbers of at least 1")
     if min(settings.scheduled_items, settings.due_together) < 1:
         raise BadSettings("--scheduled-items and --due-together must be at least 1")
+    if settings.keyed_items < 10:
+        raise BadSettings("--keyed-items must be at least 10 (a keyed post is measured beside 10 and beside them)")
     if settings.post_seconds <= 0:
         raise BadSettings("--post-seconds must be more than 0")
     unknown = set(settings.measures) - set(MEASURES)
@@ -176,6 +181,8 @@ def _most_files(settings: BenchSettings) -> int:
     most = settings.biggest if {"claim", "big-queue", "sweep"} & set(settings.measures) else 0
     if "scheduled" in settings.measures:
         most = max(most, 2 * settings.scheduled_items)  # an item and its mark each
+    if "keys" in settings.measures:
+        most = max(most, 2 * settings.keyed_items)  # an item and its key each
     return most
 
 
@@ -235,6 +242,9 @@ def _own_figures(settings: BenchSettings, figures: dict, root: Path, say: Say) -
         store_alone["quietSweepSeconds"] = {str(settings.biggest): store_costs.quiet_sweep_seconds(settings.biggest)}
     if "scheduled" in settings.measures:
         store_alone["scheduled"] = _scheduled_figures(settings, say)
+    if "keys" in settings.measures:
+        say(f"a keyed post, new and repeated, beside 10 keyed items and beside {settings.keyed_items:,} (the store alone)")
+        store_alone["keys"] = {"items": settings.keyed_items, **store_costs.with_keyed(settings.keyed_items)}
     if store_alone:
         figures["storeAlone"] = store_alone
     if not ours:
@@ -338,6 +348,13 @@ def _api_figures(
             say(f"{label}: client: Producer.post_many, {settings.batch} items a call, {settings.post_seconds:g} s")
             with profile("client-batches"):
                 mine["postManyItemsPerSecond"] = client.batch_items_per_second(
+                    producer, settings.post_queue, seconds=settings.post_seconds, batch=settings.batch
+                )
+        if "client-keys" in measures:
+            say(f"{label}: client: Producer.post and post_many ({settings.batch} a call), with a key per item and "
+                f"without, taking turns, {settings.post_seconds:g} s each")
+            with profile("client-keys"):
+                mine["keyed"] = client.keyed_and_plain_posts(
                     producer, settings.post_queue, seconds=settings.post_seconds, batch=settings.batch
                 )
         if "server-posts" in measures:

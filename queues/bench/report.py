@@ -14,6 +14,9 @@ The JSON line (one line on stdout; progress and a readable summary go to stderr)
       concurrentProducers  {"N": {postsPerSecond, postMs {p50, p99}}}: N threads with a Producer
                            each, posting single items to a queue no worker works
       postManyItemsPerSecond  Producer.post_many, --batch items a call, to that queue
+      keyed                {singlePostsPerSecond, postManyItemsPerSecond}: each {plain, keyed},
+                           Producer.post and post_many with a new idempotency key per item and
+                           without, in alternating turns, to that queue
     serverAlone  the same server driven by a lean raw-socket producer (no HTTP library):
       singlePostsPerSecond, batchPostItemsPerSecond  one connection, to the unworked queue
       endToEndInBatchesPerSecond  --items posted --batch at a time while the workers consume
@@ -26,6 +29,9 @@ The JSON line (one line on stdout; progress and a readable summary go to stderr)
                `items` scheduled items waiting for later (fsync off); dueTogether {items,
                allPendingSeconds {"fsync on"}}: from the second they all come due until a fresh
                process's promoter has them all pending
+    keys       {items, newKeyMicroseconds, repeatMicroseconds}: each {"10", "ITEMS"}: a one-item
+               post with a new key, and one repeating a key, beside 10 and `items` keyed items
+               (fsync off)
   peers."celery (redis in memory)" | "celery (redis aof always)" | "rq (...)" | ...
                the users' workload through each library's normal API, with the same keys as
                taskhoster.*.client: enqueuePerSecond, endToEndPerSecond, roundTripMs
@@ -102,6 +108,7 @@ def summary(figures: dict) -> list[str]:
     for mode, parts in figures.get("taskhoster", {}).items():
         lines += _ours_only(mode, parts)
     lines += _scheduled_lines(figures.get("storeAlone", {}).get("scheduled"))
+    lines += _keys_lines(figures.get("storeAlone", {}).get("keys"))
     lines += _ratio_lines(figures.get("ratios", {}))
     return lines
 
@@ -117,6 +124,12 @@ def _row(name: str, measured: dict) -> str:
 
 def _ours_only(mode: str, parts: dict) -> list[str]:
     lines = []
+    keyed = parts.get("client", {}).get("keyed")
+    if keyed:
+        lines.append(f"taskhoster {mode}, client, with a key per item (without): " + ", ".join(
+            f"{keyed[key]['keyed']:,.0f} ({keyed[key]['plain']:,.0f}) {text}"
+            for key, text in (("singlePostsPerSecond", "single posts/s"), ("postManyItemsPerSecond", "items/s in batches"))
+        ))
     producers = parts.get("client", {}).get("concurrentProducers", {})
     if producers:
         lines.append(f"taskhoster {mode}, concurrent producers (threads, a Producer each, single posts): " + "; ".join(
@@ -149,6 +162,17 @@ def _scheduled_lines(scheduled: dict | None) -> list[str]:
         f"store alone, beside {scheduled['items']:,} scheduled items: " + ", ".join(costs),
         f"store alone, {due['items']:,} scheduled items due in the same second, all pending in: "
         + ", ".join(f"{seconds:.2f} s ({mode})" for mode, seconds in due["allPendingSeconds"].items()),
+    ]
+
+
+def _keys_lines(keys: dict | None) -> list[str]:
+    if not keys:
+        return []
+    many = str(keys["items"])
+    return [
+        f"store alone, a keyed post beside {keys['items']:,} keyed items: new key "
+        f"{keys['newKeyMicroseconds'][many]:,.0f} us ({keys['newKeyMicroseconds']['10']:,.0f} beside 10), repeated "
+        f"{keys['repeatMicroseconds'][many]:,.0f} us ({keys['repeatMicroseconds']['10']:,.0f} beside 10)"
     ]
 
 

@@ -3,6 +3,7 @@ cost the rest. Plain functions, no Django needed:
 
     .venv/bin/python -m queues.bench.store_costs 10 100000
     .venv/bin/python -m queues.bench.store_costs --scheduled 1000000 --due-together 100000
+    .venv/bin/python -m queues.bench.store_costs --keyed 1000000
 
 Each figure is measured on a fresh data directory in a temporary directory of the system's
 (set TMPDIR to measure another disk), built by posting through the store in batches of 1,000
@@ -133,6 +134,29 @@ def due_together_seconds(count: int, *, fsync: bool) -> float:
             time.sleep(PROMOTE_SECONDS)
 
 
+def with_keyed(keyed: int, *, operations: int = 200) -> dict[str, dict[str, float]]:
+    """A keyed one-item post with a new key, and one repeating a key (answered with its item),
+    on a fresh process's store (fsync off) beside 10 keyed items and beside `keyed`:
+    {"newKeyMicroseconds": {"10": ..., "KEYED": ...}, "repeatMicroseconds": ...}."""
+    figures: dict[str, dict[str, float]] = {"newKeyMicroseconds": {}, "repeatMicroseconds": {}}
+    for count in (10, keyed):
+        with tempfile.TemporaryDirectory(prefix="store-costs-") as data_dir:
+            builder = Store(data_dir, fsync=False)
+            for start in range(0, count, MAX_BATCH):
+                batch = range(start, min(count, start + MAX_BATCH))
+                builder.post_items(config=CONFIG, items=[NewItem({"n": n}, key=f"built-{n}") for n in batch])
+            os.sync()
+            store, fresh = Store(data_dir, fsync=False), iter(range(operations))
+            figures["newKeyMicroseconds"][str(count)] = _mean_seconds(
+                lambda: store.post_items(config=CONFIG, items=[NewItem({"n": 0}, key=f"new-{next(fresh)}")]),
+                operations) * 1e6
+            repeated = iter(range(operations))
+            figures["repeatMicroseconds"][str(count)] = _mean_seconds(
+                lambda: store.post_items(config=CONFIG, items=[NewItem({"n": (n := next(repeated) % count)}, key=f"built-{n}")]),
+                operations) * 1e6
+    return figures
+
+
 def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
@@ -143,9 +167,12 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--claims", type=int, default=200)
     parser.add_argument("--scheduled", type=int, help="scheduled items to measure a claim, a post and a sweep beside")
     parser.add_argument("--due-together", type=int, help="scheduled items coming due in one second")
+    parser.add_argument("--keyed", type=int, help="keyed items to measure a keyed post beside (and beside 10)")
     args = parser.parse_args(argv)
     if args.scheduled:
         print(f"with {args.scheduled:,} scheduled items:", with_scheduled(args.scheduled, operations=args.claims))
+    if args.keyed:
+        print(f"a keyed post beside 10 and {args.keyed:,} keyed items:", with_keyed(args.keyed, operations=args.claims))
     if args.due_together:
         for fsync in (False, True):
             seconds = due_together_seconds(args.due_together, fsync=fsync)

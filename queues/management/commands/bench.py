@@ -35,7 +35,7 @@ class Command(BaseCommand):
         "Measure Taskhoster on its own throw-away servers (or --url) as users see it, through our\n"
         "Producer and Worker: single posts while 2 workers consume, end to end, round trips,\n"
         "concurrent producers, batches; beside it the server alone (a lean raw-socket producer),\n"
-        "the disk's own flush, claims and a quiet sweep on big queues, scheduled items; with --peers,\n"
+        "the disk's own flush, claims and a quiet sweep on big queues, scheduled and keyed items; with --peers,\n"
         "Celery and RQ on the same workload. Prints one JSON line; progress and a summary go to stderr."
     )
 
@@ -72,6 +72,8 @@ class Command(BaseCommand):
                                  f"(default {FULL.scheduled_items})")
         parser.add_argument("--due-together", type=int,
                             help=f"scheduled items coming due in the same second (default {FULL.due_together})")
+        parser.add_argument("--keyed-items", type=int,
+                            help=f"keyed items to measure a keyed post beside (default {FULL.keyed_items})")
         parser.add_argument("--post-seconds", type=float,
                             help=f"how long each kind of post runs (default {FULL.post_seconds:g})")
         parser.add_argument("--flush-tries", type=int,
