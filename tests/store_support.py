@@ -1,6 +1,7 @@
 """What the store tests share: where an item's files are, and short ways to make items."""
 
 import os
+import time
 from pathlib import Path
 
 from queues.store import QueueConfig, Store
@@ -42,3 +43,11 @@ def copy_file(store: Store, item_id: str, source: str, target: str) -> None:
 def half_written(store: Store, queue: str = Q) -> list[str]:
     """What tmp/ holds: files a writer left half done."""
     return files_in(store, "tmp", queue)
+
+
+def first_listing_done(store: Store, queue: str = Q) -> None:
+    """Wait for the background listing a queue's first use starts: when it finds items in an empty
+    view it tells waiting claims, which a test counting such wake-ups must not mistake for its own."""
+    index = store._items.index(queue)
+    while index._in_background:
+        time.sleep(0.005)

@@ -21,6 +21,7 @@ from queues.models import Queue
 from queues.runtime import get_registry, get_store
 from queues.services import save_queue
 from queues.store import NewItem, QueueConfig, Store
+from store_support import first_listing_done
 from storekit import finish, post_batch, release
 from taskhoster_site.asgi import application
 
@@ -339,6 +340,7 @@ def test_requeue_puts_a_processing_item_back_to_pending_and_wakes_a_worker(staff
     store = get_store()
     [item_id] = post("thumbs", 1)
     store.claim_items(config=queue.config())
+    first_listing_done(store, "thumbs")
     woken = []
     monkeypatch.setattr(hub, "items_available", lambda name, count=1, **_: woken.append((name, count)))
 

@@ -15,7 +15,7 @@ import pytest
 
 from faults import Faults
 from queues.exceptions import StorageUnavailable, TaskhosterError
-from queues.store import QueueConfig, Release, Store, files
+from queues.store import NewItem, QueueConfig, Release, Store, files
 from store_support import Q, files_in, half_written, queue_dir
 from storekit import post_batch
 
@@ -40,7 +40,7 @@ def picture(store: Store, item_ids) -> dict:
     """Each item as a reader sees it (its state directories and its record); None if gone."""
     seen = {}
     for item_id in item_ids:
-        where = [s for s in ("pending", "processing", "done") if (queue_dir(store) / s / f"{item_id}.json").exists()]
+        where = [s for s in ("scheduled", "pending", "processing", "done") if (queue_dir(store) / s / f"{item_id}.json").exists()]
         try:
             item = store.read_item(queue=Q, item_id=item_id)
         except TaskhosterError:
@@ -260,6 +260,145 @@ def test_a_sweep_pass_that_fails_leaves_every_item_in_one_state_and_the_next_pas
         assert after[lapsed][0] == ["pending"] and after[lapsed][1]["attempts"] == 1
         assert after[retained] is None and after[doubled] is None
         assert store.sweep_queue(config=keep).repaired == []
+
+
+# ---- beyond the seed: scheduled and keyed posts, release for later, maxAttempts, cancel, retry --
+
+
+def counted_right(store: Store, ids) -> None:
+    """The counts agree with the items: a failed mark only beside a failed done item."""
+    ended = {item_id: picture(store, [item_id])[item_id] for item_id in ids}
+    failed = sum(1 for seen in ended.values() if seen and seen[1]["status"] == "failed")
+    assert store.count_items(queue=Q).failed == failed
+    assert len(files_in(store, "failed")) == failed
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("keyed", [False, True])
+def test_a_scheduled_or_keyed_post_that_fails_leaves_nothing_and_the_next_try_posts_once(tmp_path, kind, keyed):
+    def act(store, clock, ids):
+        new = [NewItem({"n": n}, run_at=clock.now + 60 * n or None, key=f"k{n}" if keyed else None) for n in range(3)]
+        return store.post_items(config=CONFIG, items=new)
+
+    walk = Walk(tmp_path, lambda store, clock: [], act)
+    for store, clock, ids, _, outcome in walk.each_fault(kind):
+        if isinstance(outcome, StorageUnavailable):
+            assert files_in(store, "pending") == files_in(store, "scheduled") == []
+            assert not keyed or files_in(store, "keys") == []
+            outcome = act(store, clock, ids)
+        assert not any(posted.duplicate for posted in outcome)
+        assert [posted.item.status for posted in outcome] == ["pending", "scheduled", "scheduled"]
+        assert files_in(store, "pending") + files_in(store, "scheduled") == sorted(
+            f"{posted.item.id}.json" for posted in outcome)
+        again = act(store, clock, ids)  # a key holds its item; without keys it is three more
+        assert [posted.duplicate for posted in again] == [keyed] * 3
+        clock.now += 121
+        store.promote_due(config=CONFIG)
+        assert len(files_in(store, "pending")) == (3 if keyed else 6)
+
+
+def held(store, clock) -> list[str]:
+    ids = posted(store, clock, 2)
+    store.claim_items(config=CONFIG, max_items=2)
+    return ids
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("limit", [None, 1])
+def test_a_release_for_later_with_an_error_that_fails_changes_nothing(tmp_path, kind, limit):
+    config = replace(CONFIG, max_attempts=limit)
+
+    def act(store, clock, ids):
+        return store.release_items(releases=[Release(config, ids[0], delay=30, error={"why": "busy"}),
+                                             Release(config, ids[1], error="flaky")])
+
+    walk = Walk(tmp_path, held, act)
+    for store, clock, ids, before, outcome in walk.each_fault(kind):
+        outcomes = [outcome] * 2 if isinstance(outcome, StorageUnavailable) else outcome
+        now = picture(store, ids)
+        for item_id, released in zip(ids, outcomes):
+            if isinstance(released, TaskhosterError):
+                assert now[item_id] == before[item_id], f"{item_id} changed though its release failed"
+            else:  # given back (beside its old copy if removing that was what failed: the sweep's)
+                assert set(now[item_id][0]) - {"processing"}
+        counted_right(store, ids)
+        retried = [Release(config, item_id, error="again") for item_id, out in zip(ids, outcomes)
+                   if isinstance(out, TaskhosterError)]
+        if retried:
+            assert not any(isinstance(out, TaskhosterError) for out in store.release_items(releases=retried))
+        after = picture(store, ids)
+        for item_id in ids:
+            where, record = after[item_id]
+            assert "lastError" in record and set(where) - {"processing"}  # what a reader sees wins
+            assert record["status"] == ("failed" if limit else record["status"])
+        clock.now += CONFIG.lease_seconds + 1
+        store.sweep_queue(config=replace(CONFIG, retain_seconds=86400))  # the old copy a failed unlink left
+        assert all(len(picture(store, [item_id])[item_id][0]) == 1 for item_id in ids)
+        counted_right(store, ids)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_cancel_that_fails_leaves_the_item_as_it_was_and_counts_right(tmp_path, kind):
+    def setup(store, clock):
+        ids = posted(store, clock, 2)
+        store.claim_items(config=CONFIG, max_items=1)
+        return ids
+
+    def act(store, clock, ids):
+        return [store.cancel_item(config=CONFIG, item_id=item_id) for item_id in ids]
+
+    walk = Walk(tmp_path, setup, act)
+    for store, clock, ids, before, outcome in walk.each_fault(kind):
+        now = picture(store, ids)
+        for item_id in ids:
+            assert now[item_id] == before[item_id] or now[item_id][1]["error"] == "canceled"
+        counted_right(store, ids)
+        for item_id in ids:
+            store.cancel_item(config=CONFIG, item_id=item_id)
+        # a result after the cancel is refused, and the counts still agree
+        (late,) = store.finish_items(results=[(CONFIG, ids[0], "late")])
+        assert not late.accepted
+        store.sweep_queue(config=replace(CONFIG, retain_seconds=86400))
+        assert [picture(store, [i])[i][1]["error"] for i in ids] == ["canceled", "canceled"]
+        counted_right(store, ids)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_retry_that_fails_makes_at_most_one_new_item_and_the_next_try_finds_it(tmp_path, kind):
+    def setup(store, clock):
+        ids = posted(store, clock, 1)
+        store.claim_items(config=CONFIG)
+        store.finish_items(results=[(CONFIG, ids[0], "r")])
+        return ids
+
+    walk = Walk(tmp_path, setup, lambda store, clock, ids: store.retry_item(config=CONFIG, item_id=ids[0]))
+    for store, clock, ids, before, outcome in walk.each_fault(kind):
+        old = store.read_item(queue=Q, item_id=ids[0])
+        assert (old.status, old.result) == ("finished", "r")  # the old item stays as it is
+        new, _ = store.retry_item(config=CONFIG, item_id=ids[0])
+        if not isinstance(outcome, StorageUnavailable):
+            assert outcome[0].id == new.id
+        assert store.read_item(queue=Q, item_id=ids[0]).retried_as == new.id
+        assert files_in(store, "pending") == [f"{new.id}.json"]
+        assert store.retry_item(config=CONFIG, item_id=ids[0]) [0].id == new.id
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_due_items_that_fail_to_move_stay_scheduled_and_the_next_look_moves_them(tmp_path, kind):
+    def setup(store, clock):
+        new = [NewItem({"n": n}, run_at=clock.now + 10) for n in range(3)]
+        ids = [entry.item.id for entry in store.post_items(config=CONFIG, items=new)]
+        clock.now += 11
+        return ids
+
+    walk = Walk(tmp_path, setup, lambda store, clock, ids: store.promote_due(config=CONFIG))
+    for store, clock, ids, before, outcome in walk.each_fault(kind):
+        now = picture(store, ids)
+        assert all(now[item_id][0] in (["scheduled"], ["pending"]) for item_id in ids)
+        clock.now += 2
+        store.promote_due(config=CONFIG)
+        assert files_in(store, "pending") == sorted(f"{item_id}.json" for item_id in ids)
+        assert files_in(store, "scheduled") == []
 
 
 # ---- a real full disk --------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from queues import ids
 from queues.exceptions import InvalidRequest, ItemNotFound, NotEnded, NotHeld
 from queues.store import ABSENT, NewItem, QueueConfig, Release, Store
 from queues.store.layout import SLOT_SECONDS
-from store_support import Q, claim_one, files_in, queue_dir, states_of
+from store_support import Q, claim_one, files_in, first_listing_done, queue_dir, states_of
 from storekit import finish, release
 
 
@@ -152,6 +152,7 @@ def test_many_items_due_at_once_are_promoted_in_chunks_each_claimable_at_once(st
 
     monkeypatch.setattr(transitions, "PROMOTE_CHUNK", 3)
     scheduled = schedule(store, config, *[clock.now + 5] * 8)
+    first_listing_done(store)
     pushed = []
     monkeypatch.setattr(store._items.events, "items_available", lambda queue, count: pushed.append(count))
     clock.advance(5)

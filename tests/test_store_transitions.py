@@ -15,7 +15,7 @@ from queues import ids
 from queues.exceptions import InvalidRequest, ItemNotFound, NotHeld, PayloadTooLarge
 from queues.store import NewItem, QueueConfig, Release, Store
 from queues.store.items import CLAIM_XATTR
-from store_support import Q, claim_one, files_in, half_written, post, queue_dir, states_of
+from store_support import Q, claim_one, files_in, first_listing_done, half_written, post, queue_dir, states_of
 from storekit import finish, post_batch, release
 
 # ---- posting ---------------------------------------------------------------------------------
@@ -660,6 +660,7 @@ def test_a_single_post_may_be_claimed_while_it_is_flushed(tmp_path, clock, confi
 
     store = Store(tmp_path / "data", fsync=True, clock=clock, events=Events())
     store.ensure_queue(Q)
+    first_listing_done(store)
     claimed = []
 
     def claim_during_the_flush(call, path):

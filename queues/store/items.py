@@ -28,7 +28,8 @@ from .tallies import Tallies
 # attribute of the processing file instead of rewriting the file. Where the file system has no
 # xattrs, a claim rewrites the file.
 CLAIM_XATTR = "user.taskhoster"
-SEARCH_ORDER = ("done", "processing", "pending", "scheduled")  # done first: it wins over a stray copy
+# of two copies a crash (or a failed unlink) left, the one that wins: the sweep keeps the same
+SEARCH_ORDER = ("done", "pending", "scheduled", "processing")
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +153,7 @@ class ItemFiles:
             return None
 
     def find(self, queue: str, item_id: str) -> tuple[str, Item] | None:
-        """The item's state and content, done first. Under the item's lock this is exact; without
+        """The item's state and content, in SEARCH_ORDER. Under the item's lock this is exact; without
         it, a move under way may hide the item for an instant (None)."""
         for state in SEARCH_ORDER:
             item = self.read(queue, state, item_id)
@@ -283,6 +284,24 @@ class ItemFiles:
             self.index(queue).push([item.id])
         return replace(item, status=target, lease_expires_at=None, claim_token=None)
 
+    def move_rewritten(self, queue: str, item: Item, source: str, target: str) -> Item:
+        """Move an item from `source`/ to `target`/ with new content (under its lock): written
+        aside, moved into `target`/, then its old file removed. Until the move it is as it was;
+        a crash after it leaves two copies, and the sweep keeps the one in `target`/."""
+        tmp = self.write_aside(queue, item)
+        try:
+            files.move(tmp, self.layout.item(queue, target, item.id))
+        except BaseException:
+            files.remove_quietly(tmp)
+            raise
+        try:
+            files.remove(self.layout.item(queue, source, item.id))
+        except OSError:
+            log.warning("could not remove the old file of %s in %s: the sweep will", item.id, queue, exc_info=True)
+        if target == "pending":
+            self.index(queue).push([item.id])
+        return item
+
     def rewrite(self, queue: str, state: str, item: Item, *, mtime: float | None = None, durably: bool = False) -> None:
         """Replace the item's file in `state`/ with this content (under its lock), whole: the old
         or the new one is there at every instant. `durably`: flushed before it returns."""
@@ -325,9 +344,11 @@ class ItemFiles:
         if state == "scheduled":
             self.schedule.mark(queue, done.id, self.clock(), at_run_at=False)
         mark = self.layout.mark(queue, "failed", done.id) if done.status == "failed" else None
+        marked = False
         if mark is not None:
             try:
                 files.write_new(mark, b"")
+                marked = True
             except FileExistsError:
                 pass
         try:
@@ -335,6 +356,10 @@ class ItemFiles:
             return True
         except FileExistsError:
             return False
+        except BaseException:
+            if marked:  # the item did not end: a failed mark would count it failed all the same
+                files.remove_quietly(mark)
+            raise
 
     def unlink_done(self, queue: str, state: str, done: Item) -> None:
         """Undo `link_done` whose flush failed, so the item is as it was in `state`/. Only while

@@ -32,7 +32,6 @@ def give_back(
         return done
     if delay <= 0 and error is ABSENT:
         return items.move(queue, item, "processing", "pending")
-    # the content changes: rewritten where it is, then moved, so it is never in two states
     target = "scheduled" if delay > 0 else "pending"
     back = replace(item, status=target, lease_expires_at=None, claim_token=None, run_at=now + delay if delay > 0 else item.run_at)
     if target == "scheduled":
@@ -40,5 +39,4 @@ def give_back(
         due = min(back.run_at, back.posted_at + config.queue_seconds)
         mark = items.schedule.mark(queue, back.id, due, at_run_at=due == back.run_at)
         items.flush(*items.schedule.directories(queue, [mark]))
-    items.rewrite(queue, "processing", back)
-    return items.move(queue, back, "processing", target)
+    return items.move_rewritten(queue, back, "processing", target)

@@ -15,7 +15,7 @@ import time
 
 from .. import ids
 from . import files
-from .items import ItemFiles
+from .items import SEARCH_ORDER, ItemFiles
 from .keys import key_of
 from .layout import MARKS, item_id_of
 from .records import QueueConfig, SweepChanges, timed_out
@@ -23,7 +23,7 @@ from .requeue import give_back
 
 STALE_SECONDS = 3600  # tmp/ files, tallies and stray marks older than this are leftovers
 WATCHED = ("pending", "processing", "done")
-KEEP_FIRST = ("done", "pending", "scheduled", "processing")  # of two copies a crash left, the one kept
+KEEP_FIRST = SEARCH_ORDER  # of two copies a crash left, the one kept
 ID_CLOCK_MARGIN_SECONDS = 60  # how far an id's time may run ahead of the clock that ends the item
 _CHUNK = 10_000
 
@@ -98,7 +98,12 @@ def _requeue_lapsed(items: ItemFiles, config: QueueConfig, names: list[str]) -> 
         if info is None or info.st_mtime > now:
             continue  # gone, or the mtime (the lease expiry) says it still runs
         with items.lock(queue, item_id):
-            found = items.find(queue, item_id)  # done first: a stray copy stays put
+            found = items.find(queue, item_id)  # the copy that wins: a stray copy stays put
+            if found is not None and found[0] in ("pending", "scheduled"):
+                # given back by a transition that died before removing the old copy (scheduled/
+                # is not listed by a pass, so the lapsed lease is where the two come to light)
+                files.remove(items.layout.item(queue, "processing", item_id))
+                continue
             if found is None or found[0] != "processing":
                 continue
             item = found[1]
