@@ -1,0 +1,16 @@
+"""The Django project of tests/test_django_tasks.py: tasks in `shop`, run through Taskhoster
+(TASKHOSTER_URL and TASKHOSTER_TOKEN name the server). It runs on Django 5.2 with the django-tasks
+package and on Django 6 with django.tasks alike."""
+
+SECRET_KEY = "only-for-tests"
+USE_TZ = True
+INSTALLED_APPS = ["taskhoster.django", "shop"]
+DATABASES = {}
+TASKS = {
+    "default": {
+        "BACKEND": "taskhoster.django.TaskhosterBackend",
+        # the worker of these tests works "default"; nobody works "idle", so its items stay put
+        "QUEUES": ["default", "idle"],
+        "OPTIONS": {"max_attempts": 2, "retry_base": 0.05, "retry_cap": 0.1},
+    }
+}
