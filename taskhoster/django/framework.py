@@ -11,6 +11,9 @@ try:
     from django.tasks.exceptions import InvalidTask, TaskResultDoesNotExist
     from django.tasks.signals import task_enqueued, task_finished, task_started
     from django.utils.json import normalize_json
+
+    def register_checks() -> None:
+        pass  # django.tasks registers its own
 except ImportError:
     try:
         from django_tasks import TaskContext, TaskResult, TaskResultStatus, task_backends
@@ -20,6 +23,9 @@ except ImportError:
         from django_tasks.exceptions import TaskResultDoesNotExist
         from django_tasks.signals import task_enqueued, task_finished, task_started
         from django_tasks.utils import normalize_json
+
+        def register_checks() -> None:
+            from django_tasks import checks, signals  # noqa: F401  (importing them registers them)
     except ImportError as exc:
         raise ImproperlyConfigured(
             "taskhoster.django needs a tasks framework: Django 6 has one (django.tasks); for Django 4.2 ... 5.2 "
@@ -37,6 +43,7 @@ __all__ = [
     "TaskResultDoesNotExist",
     "TaskResultStatus",
     "normalize_json",
+    "register_checks",
     "task_backends",
     "task_enqueued",
     "task_finished",
