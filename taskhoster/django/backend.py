@@ -30,12 +30,6 @@ class TaskhosterBackend(BaseTaskBackend):
     supports_get_result = True
     supports_priority = False  # a queue hands out its items oldest first
 
-    def __init__(self, alias: str, params: dict):
-        super().__init__(alias, params)
-        self._lock = Lock()  # the framework may share one backend between threads (ASGI)
-        self._producer: Producer | None = None
-        self._async_producer: AsyncProducer | None = None
-
     @cached_property
     def settings(self) -> Options:
         """Read at first use, so that importing the tasks needs no server."""
@@ -94,19 +88,11 @@ class TaskhosterBackend(BaseTaskBackend):
 
     @property
     def producer(self) -> Producer:
-        with self._lock:
-            if self._producer is None:
-                self._producer = Producer(self.settings.url, self.settings.token, timeout=self.settings.timeout)
-            return self._producer
+        return _shared(Producer, self.settings)
 
     @property
     def async_producer(self) -> AsyncProducer:
-        # it keeps each connection on the event loop that opened it, so one serves every loop
-        with self._lock:
-            if self._async_producer is None:
-                self._async_producer = AsyncProducer(self.settings.url, self.settings.token,
-                                                     timeout=self.settings.timeout)
-            return self._async_producer
+        return _shared(AsyncProducer, self.settings)
 
     def _read(self, item: dict) -> TaskResult:
         path, args, kwargs = read_payload(item.get("payload"))
@@ -117,6 +103,21 @@ class TaskhosterBackend(BaseTaskBackend):
 
     def _result(self, item: dict, task: Task, payload: dict) -> TaskResult:
         return task_result(item, task, backend=self.alias, args=payload["args"], kwargs=payload["kwargs"])
+
+
+# The framework makes a backend for each thread, and under ASGI for each request: the producers,
+# and the connections they keep open, are shared by every backend with the same server and token.
+# An AsyncProducer keeps each connection on the event loop that opened it, so one serves them all.
+_producers: dict[tuple, Producer | AsyncProducer] = {}
+_producers_lock = Lock()
+
+
+def _shared(kind: type, options: Options):
+    key = (kind, options.url, options.token, options.timeout)
+    with _producers_lock:
+        if key not in _producers:
+            _producers[key] = kind(options.url, options.token, timeout=options.timeout)
+        return _producers[key]
 
 
 def _run_at(task: Task) -> datetime | None:

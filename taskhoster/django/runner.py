@@ -101,7 +101,8 @@ class TaskRunner:
         return returned(value, started.runs)
 
     def _failed(self, started: Started, exc: Exception) -> Any:
-        """Called while `exc` is handled, so the signal's receivers see it in sys.exc_info()."""
+        """A run raised `exc`. Called from the except clause of a plain task, so the receivers of
+        task_finished find it in sys.exc_info() there, as with the framework's own backends."""
         error = raised(exc, started.runs)
         final = self._is_final(started.job)
         started.result.errors.append(TaskError(exception_class_path=error["exceptionClass"],
@@ -120,8 +121,7 @@ class TaskRunner:
         """The result of a last try that raised; on an earlier try, HandlerFailed: the Worker gives
         the item back, after a backoff, with the error as its lastError."""
         if self._is_final(job):
-            log.warning("task %s (%s %s) failed on try %d, its last: %r", error.get("exceptionClass"), job.queue,
-                        job.id, job.attempts, exc)
+            log.warning("%s %s failed on its last try (%d): %r", job.queue, job.id, job.attempts, exc)
             return {"error": error}
         raise HandlerFailed(error)
 
