@@ -35,10 +35,11 @@ def signal_log(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def worker(signal_log):
+def worker(signal_log, tmp_path_factory):
     """The project's worker on its "default" queue, two tasks at once."""
+    env = {**os.environ, "SIGNAL_LOG": str(signal_log), "SHOP_DB": str(tmp_path_factory.mktemp("db") / "shop.sqlite3")}
     process = subprocess.Popen([sys.executable, "manage.py", "taskhoster_worker", "--queue-name", "default",
-                                "--concurrency", "2"], cwd=PROJECT, env={**os.environ, "SIGNAL_LOG": str(signal_log)})
+                                "--concurrency", "2"], cwd=PROJECT, env=env)
     try:
         yield process
     finally:
@@ -128,6 +129,12 @@ def test_a_return_value_that_is_not_json_fails_the_task():
     result = ended(tasks.returns_no_json.enqueue())
     assert result.status == TaskResultStatus.FAILED
     assert result.errors[-1].exception_class is TypeError
+
+
+def test_the_worker_closes_old_database_connections_between_tasks():
+    # three runs one after another on two threads: at least two share a thread, and its connection
+    for _ in range(3):
+        assert ended(tasks.finds_the_database_connection_closed.enqueue()).return_value is True
 
 
 def test_a_running_task_reads_running(tmp_path):

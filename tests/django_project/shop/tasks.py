@@ -4,6 +4,8 @@ import asyncio
 import os
 import time
 
+from django.db import connection
+
 try:
     from django.tasks import task
 except ImportError:
@@ -51,3 +53,13 @@ def wait_for(path):
 @task
 def returns_no_json():
     return object()
+
+
+@task
+def finds_the_database_connection_closed():
+    """Whether the connection was closed when this run began (CONN_MAX_AGE is 0: a connection
+    lasts one task), and then uses it."""
+    was_closed = connection.connection is None
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT 1")
+    return was_closed
