@@ -6,6 +6,8 @@
 A task's queue_name is the Taskhoster queue its items go to; the result id is the item's id.
 """
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import datetime
 from functools import cached_property
 from threading import Lock
@@ -17,8 +19,15 @@ from django.utils import timezone
 
 from ..errors import ItemNotFound, UnknownQueue
 from ..producer import AsyncProducer, Producer
-from .framework import DEFAULT_TASK_PRIORITY, BaseTaskBackend, InvalidTask, Task, TaskResult, TaskResultDoesNotExist
-from .framework import task_enqueued
+from .framework import (
+    DEFAULT_TASK_PRIORITY,
+    BaseTaskBackend,
+    InvalidTask,
+    Task,
+    TaskResult,
+    TaskResultDoesNotExist,
+    task_enqueued,
+)
 from .options import QUEUE_NAME, Options
 from .payloads import load_task, read_payload, task_payload
 from .results import moment, task_result
@@ -48,7 +57,8 @@ class TaskhosterBackend(BaseTaskBackend):
     def enqueue(self, task: Task, args, kwargs) -> TaskResult:
         self.validate_task(task)
         payload = task_payload(task, args, kwargs)
-        item = self.producer.post(task.queue_name, payload, run_at=_run_at(task))
+        with _made_on_the_server(task.queue_name, self.settings.url):
+            item = self.producer.post(task.queue_name, payload, run_at=_run_at(task))
         result = self._result(item, task, payload)
         task_enqueued.send(type(self), task_result=result)
         return result
@@ -56,7 +66,8 @@ class TaskhosterBackend(BaseTaskBackend):
     async def aenqueue(self, task: Task, args, kwargs) -> TaskResult:
         self.validate_task(task)
         payload = task_payload(task, args, kwargs)
-        item = await self.async_producer.post(task.queue_name, payload, run_at=_run_at(task))
+        with _made_on_the_server(task.queue_name, self.settings.url):
+            item = await self.async_producer.post(task.queue_name, payload, run_at=_run_at(task))
         result = self._result(item, task, payload)
         await sync_to_async(task_enqueued.send)(type(self), task_result=result)  # receivers may use the ORM
         return result
@@ -118,6 +129,16 @@ def _shared(kind: type, options: Options):
         if key not in _producers:
             _producers[key] = kind(options.url, options.token, timeout=options.timeout)
         return _producers[key]
+
+
+@contextmanager
+def _made_on_the_server(queue: str, url: str) -> Iterator[None]:
+    """A queue of QUEUES the server does not have: say how to make it."""
+    try:
+        yield
+    except UnknownQueue as exc:
+        raise UnknownQueue(exc.code, f"the server at {url} has no queue {queue!r}: make it there with "
+                                     f"`manage.py createqueue {queue}`", exc.status) from exc
 
 
 def _run_at(task: Task) -> datetime | None:

@@ -20,7 +20,7 @@ django.setup()
 from django.utils import timezone  # noqa: E402
 from shop import tasks  # noqa: E402
 
-from taskhoster import Producer  # noqa: E402
+from taskhoster import Producer, UnknownQueue  # noqa: E402
 from taskhoster.django import ArgumentsNotJSON  # noqa: E402
 from taskhoster.django.framework import InvalidTask, TaskResultDoesNotExist, TaskResultStatus  # noqa: E402
 
@@ -207,3 +207,8 @@ def test_the_worker_fires_task_started_and_task_finished(signal_log):
         f"started {failed.id} RUNNING 0", f"finished {failed.id} READY 1",
         f"started {failed.id} RUNNING 1", f"finished {failed.id} FAILED 2",
     ]
+
+
+def test_a_queue_the_server_lacks_is_named_with_how_to_make_it():
+    with pytest.raises(UnknownQueue, match="no queue 'missing': make it there with `manage.py createqueue missing`"):
+        tasks.add.using(queue_name="missing").enqueue(1, 1)

@@ -12,8 +12,9 @@ DATABASES = {"default": {"ENGINE": "django.db.backends.sqlite3", "NAME": os.envi
 TASKS = {
     "default": {
         "BACKEND": "taskhoster.django.TaskhosterBackend",
-        # the worker of these tests works "default"; nobody works "idle", so its items stay put
-        "QUEUES": ["default", "idle"],
+        # the worker of these tests works "default"; nobody works "idle", so its items stay put;
+        # the server has no "missing"
+        "QUEUES": ["default", "idle", "missing"],
         "OPTIONS": {"max_attempts": 2, "retry_base": 0.05, "retry_cap": 0.1},
     }
 }
