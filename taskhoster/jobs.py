@@ -41,6 +41,7 @@ class Job:
     lease_seconds: float  # the queue's lease, which the worker renews while the handler runs
     max_attempts: int | None = None  # the queue's limit on claims of one item; None: no limit
     last_error: Any = None  # what the last release of the item said went wrong, if one did
+    posted_at: str = ""  # ISO-8601, as the server wrote it
     canceled: Canceled = field(default_factory=Canceled, compare=False, repr=False)
 
     @property
@@ -60,6 +61,7 @@ class Job:
             lease_seconds=_lease_seconds(item),
             max_attempts=item.get("maxAttempts"),
             last_error=item.get("lastError"),
+            posted_at=item.get("postedAt") or "",
         )
 
 

@@ -1,0 +1,134 @@
+"""Runs the task of one claimed item: the client Worker's handler for a TaskhosterBackend.
+
+It imports the task by its path, calls it (a plain function in a thread of its own, a coroutine
+on the event loop, with a TaskContext first if it takes one), fires the framework's task_started
+and task_finished signals, and closes the database connections that have grown old around each
+task, as Django does around each request. What the task returns is the item's result; what it
+raises is retried while the backend's max_attempts allows, and else is the item's result too.
+"""
+
+import asyncio
+import logging
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from inspect import iscoroutinefunction
+from typing import Any
+
+from asgiref.sync import sync_to_async
+from django.db import close_old_connections
+from django.utils import timezone
+
+from ..jobs import HandlerFailed, Job
+from .framework import TaskContext, TaskError, TaskResult, TaskResultStatus, normalize_json, task_finished, task_started
+from .outcomes import Runs, raised, returned, runs_of
+from .payloads import load_task, read_payload
+from .results import moment, task_result
+
+log = logging.getLogger("taskhoster.django")
+
+
+@dataclass(frozen=True)
+class Started:
+    """A task under way: what it runs, and the TaskResult its signals and context show."""
+
+    job: Job
+    runs: Runs
+    result: TaskResult
+
+    @property
+    def arguments(self) -> tuple[list, dict]:
+        args = list(self.result.args)
+        if self.result.task.takes_context:
+            args.insert(0, TaskContext(task_result=self.result))
+        return args, self.result.kwargs
+
+
+class TaskRunner:
+    """The handler: `await runner(payload, job)`. Blocking parts (imports, signals, the plain
+    tasks themselves) run in `threads`."""
+
+    def __init__(self, backend, *, worker_id: str, threads: Executor):
+        self._backend = backend
+        self._worker_id = worker_id
+        self._threads = threads
+        self._max_attempts = backend.settings.max_attempts
+
+    async def __call__(self, payload: Any, job: Job) -> Any:
+        loop = asyncio.get_running_loop()
+        runs = runs_of(job, self._worker_id)
+        try:
+            started = await loop.run_in_executor(self._threads, self._start, payload, job, runs)
+        except Exception as exc:  # no such task, or not a task's payload: no signals to send
+            return self._give_up_or_retry(job, raised(exc, runs), exc)
+        if not iscoroutinefunction(started.result.task.func):
+            return await loop.run_in_executor(self._threads, self._call_plain, started)
+        await sync_to_async(close_old_connections)()  # where the task's own ORM calls go
+        try:
+            args, kwargs = started.arguments
+            value = normalize_json(await started.result.task.func(*args, **kwargs))
+        except Exception as exc:
+            return await loop.run_in_executor(self._threads, self._failed, started, exc)
+        finally:
+            await sync_to_async(close_old_connections)()
+        return await loop.run_in_executor(self._threads, self._returned, started, value)
+
+    # -- in a thread ---------------------------------------------------------------------------
+
+    def _start(self, payload: Any, job: Job, runs: Runs) -> Started:
+        close_old_connections()
+        path, args, kwargs = read_payload(payload)
+        task = load_task(path, backend=self._backend.alias, queue_name=job.queue)
+        item = {"id": job.id, "status": "processing", "attempts": job.attempts, "postedAt": job.posted_at,
+                "claimedAt": job.claimed_at, "lastError": job.last_error}
+        result = task_result(item, task, backend=self._backend.alias, args=args, kwargs=kwargs)
+        self._set(result, worker_ids=runs.worker_ids, started_at=moment(runs.started_at))
+        task_started.send(type(self._backend), task_result=result)
+        return Started(job, runs, result)
+
+    def _call_plain(self, started: Started) -> Any:
+        try:
+            args, kwargs = started.arguments
+            value = normalize_json(started.result.task.func(*args, **kwargs))
+        except Exception as exc:
+            return self._failed(started, exc)
+        return self._returned(started, value)
+
+    def _returned(self, started: Started, value: Any) -> Any:
+        self._set(started.result, status=TaskResultStatus.SUCCESSFUL, finished_at=timezone.now(),
+                  _return_value=value)
+        task_finished.send(type(self._backend), task_result=started.result)
+        close_old_connections()
+        return returned(value, started.runs)
+
+    def _failed(self, started: Started, exc: Exception) -> Any:
+        """A run raised `exc`. Called from the except clause of a plain task, so the receivers of
+        task_finished find it in sys.exc_info() there, as with the framework's own backends."""
+        error = raised(exc, started.runs)
+        final = self._is_final(started.job)
+        started.result.errors.append(TaskError(exception_class_path=error["exceptionClass"],
+                                               traceback=error["traceback"]))
+        if final:
+            self._set(started.result, status=TaskResultStatus.FAILED, finished_at=timezone.now())
+        else:  # as get_result shows it until the next try
+            self._set(started.result, status=TaskResultStatus.READY)
+        task_finished.send(type(self._backend), task_result=started.result)
+        close_old_connections()
+        return self._give_up_or_retry(started.job, error, exc)
+
+    # -- either side -----------------------------------------------------------------------------
+
+    def _give_up_or_retry(self, job: Job, error: dict, exc: Exception) -> Any:
+        """The result of a last try that raised; on an earlier try, HandlerFailed: the Worker gives
+        the item back, after a backoff, with the error as its lastError."""
+        if self._is_final(job):
+            log.warning("%s %s failed on its last try (%d): %r", job.queue, job.id, job.attempts, exc)
+            return {"error": error}
+        raise HandlerFailed(error)
+
+    def _is_final(self, job: Job) -> bool:
+        return job.attempts >= self._max_attempts or job.is_last_try
+
+    @staticmethod
+    def _set(result: TaskResult, **changes: Any) -> None:
+        for name, value in changes.items():  # TaskResult is frozen: its own backends change it so too
+            object.__setattr__(result, name, value)
