@@ -8,6 +8,8 @@ from django.db import models
 from .store import QUEUE_NAME, QueueConfig
 
 DAY = 86400
+MAX_QUEUE_SECONDS = 30 * DAY  # a queue's queueSeconds and retainSeconds
+MAX_ATTEMPTS = 1000
 TOKEN_PREFIX = "th_"
 
 queue_name_validator = RegexValidator(
@@ -26,12 +28,12 @@ class Queue(models.Model):
     )
     queue_seconds = models.PositiveIntegerField(
         default=DAY,
-        validators=[MinValueValidator(1), MaxValueValidator(30 * DAY)],
+        validators=[MinValueValidator(1), MaxValueValidator(MAX_QUEUE_SECONDS)],
         help_text="The whole life of an item from posting (1 second to 30 days); older items fail with 'timeout'.",
     )
     retain_seconds = models.PositiveIntegerField(
         default=3600,
-        validators=[MaxValueValidator(30 * DAY)],
+        validators=[MaxValueValidator(MAX_QUEUE_SECONDS)],
         help_text="How long a finished or failed item is kept (0 to 30 days).",
     )
     retain_from = models.CharField(
@@ -44,7 +46,7 @@ class Queue(models.Model):
     max_attempts = models.PositiveIntegerField(
         null=True,
         blank=True,
-        validators=[MinValueValidator(1), MaxValueValidator(1000)],
+        validators=[MinValueValidator(1), MaxValueValidator(MAX_ATTEMPTS)],
         help_text="How often an item may be handed out (1 to 1000); at the last try it ends failed "
         "'max_attempts' instead of going back. Empty: no limit.",
     )

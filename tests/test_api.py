@@ -333,11 +333,13 @@ async def test_a_post_begun_is_finished_even_if_its_caller_is_cancelled(queues, 
     assert os.listdir(queue_dir / "tmp") == []
 
 
-@pytest.mark.parametrize("removed", ["pending", "tmp", "done"])
+@pytest.mark.parametrize("removed", ["jobs/pending", "jobs/tmp", "jobs/done", "jobs", "."])
 async def test_a_state_directory_removed_while_serving_is_made_again_and_posts_go_on(api, queues, tokens, removed):
     first = await post(api, tokens["all"], "before")
     claimed = await claim(api, tokens["worker"])  # in processing/, out of the way
-    shutil.rmtree(get_store().data_dir / "jobs" / removed)
+    shutil.rmtree(get_store().data_dir / removed)
+    if removed in ("jobs", "."):  # the item a worker held went with it: nothing left to hand in
+        first, claimed = None, []
 
     second = await post(api, tokens["all"], "after")
     claimed += await claim(api, tokens["worker"], max=5)
@@ -345,7 +347,7 @@ async def test_a_state_directory_removed_while_serving_is_made_again_and_posts_g
         answer = await api.post(f"/api/queues/jobs/items/{item['id']}/result", json={"result": 1}, headers=bearer(tokens["all"]))
         assert answer.json()["accepted"]
 
-    assert {item["id"] for item in claimed} == {first["id"], second["id"]}
+    assert {item["id"] for item in claimed} == {item["id"] for item in (first, second) if item}
     assert (await api.get("/healthz")).status_code == 200
 
 

@@ -61,6 +61,16 @@ def test_concurrent_callers_share_a_directory_flush(tmp_path, monkeypatch):
         assert any(asked[n] <= begun and begun + 0.05 <= returned[n] for begun in started)
 
 
+def test_directories_flushed_are_remembered_within_a_bound(tmp_path, monkeypatch):
+    monkeypatch.setattr(files._DirectoryFlush, "MOST_KNOWN", 8)
+    monkeypatch.setattr(files._DirectoryFlush, "_known", {})
+    for n in range(30):  # as schedule slots come and go
+        (tmp_path / str(n)).mkdir()
+        files.flush_directory(str(tmp_path / str(n)))
+    assert len(files._DirectoryFlush._known) <= 8
+    assert str(tmp_path / "29") in files._DirectoryFlush._known
+
+
 def test_a_failed_directory_flush_fails_the_callers_it_covered_and_no_later_ones(tmp_path, monkeypatch):
     calls, real_fsync = [], os.fsync
 

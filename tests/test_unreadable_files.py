@@ -32,8 +32,8 @@ BAD = {
     "truncated": b'{"id": "' + BAD_ID[:10].encode(),
     "binary": b"\x00\xff\x00garbage",
 }
-# "no status" is a good pending or processing record: a file's directory is its state
-CASES = [(state, name) for state in ("pending", "processing", "done") for name in BAD
+# "no status" is a good scheduled, pending or processing record: a file's directory is its state
+CASES = [(state, name) for state in ("scheduled", "pending", "processing", "done") for name in BAD
          if not (name == "no status" and state != "done")]
 
 

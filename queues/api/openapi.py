@@ -1,6 +1,17 @@
 """The OpenAPI 3.1 description of the API, served at `/api/schema`. A test checks that every
 route of the router is described here and nothing else is."""
 
+from ..models import DAY, MAX_ATTEMPTS, MAX_QUEUE_SECONDS
+from ..protocol import (
+    MAX_CLAIM,
+    MAX_HTTP_WAIT_SECONDS,
+    MAX_LEASE_SECONDS,
+    MAX_POST_DELAY_SECONDS,
+    MAX_RELEASE_DELAY_SECONDS,
+)
+from ..store import MAX_BATCH
+from ..store.keys import MAX_KEY_LENGTH
+
 TIMESTAMP = {"type": ["string", "null"], "format": "date-time", "examples": ["2026-11-30T14:23:53.120Z"]}
 QUEUE_PARAM = {
     "name": "queue",
@@ -94,7 +105,7 @@ ITEM = {
 KEY = {
     "type": "string",
     "minLength": 1,
-    "maxLength": 200,
+    "maxLength": MAX_KEY_LENGTH,
     "pattern": "^[ -~]+$",
     "description": (
         "Idempotency key: while an item posted with it exists, a post with it stores nothing and answers "
@@ -102,7 +113,7 @@ KEY = {
     ),
 }
 SCHEDULE = {
-    "delay": {"type": "number", "minimum": 0, "maximum": 2592000, "description": "Due this many seconds from now."},
+    "delay": {"type": "number", "minimum": 0, "maximum": MAX_POST_DELAY_SECONDS, "description": "Due this many seconds from now."},
     "runAt": {"type": "string", "format": "date-time", "description": "Due then; an explicit offset is required."},
 }
 QUEUE = {
@@ -113,12 +124,12 @@ QUEUE = {
     ],
     "properties": {
         "name": {"type": "string", "pattern": "^[a-z0-9][a-z0-9_-]{0,63}$"},
-        "leaseSeconds": {"type": "integer", "minimum": 1, "maximum": 86400},
-        "queueSeconds": {"type": "integer", "minimum": 1, "maximum": 2592000},
-        "retainSeconds": {"type": "integer", "minimum": 0, "maximum": 2592000},
+        "leaseSeconds": {"type": "integer", "minimum": 1, "maximum": DAY},
+        "queueSeconds": {"type": "integer", "minimum": 1, "maximum": MAX_QUEUE_SECONDS},
+        "retainSeconds": {"type": "integer", "minimum": 0, "maximum": MAX_QUEUE_SECONDS},
         "retainFrom": {"type": "string", "enum": ["finished", "fetched"]},
         "paused": {"type": "boolean"},
-        "maxAttempts": {"type": ["integer", "null"], "minimum": 1, "maximum": 1000},
+        "maxAttempts": {"type": ["integer", "null"], "minimum": 1, "maximum": MAX_ATTEMPTS},
         "counts": {
             "type": "object",
             "required": list(STATES),
@@ -148,7 +159,7 @@ POST = {
                 "items": {
                     "type": "array",
                     "minItems": 1,
-                    "maxItems": 1000,
+                    "maxItems": MAX_BATCH,
                     "items": {
                         "type": "object",
                         "required": ["payload"],
@@ -247,7 +258,7 @@ DOCUMENT = {
             "post": {
                 "operationId": "postItems",
                 "summary": (
-                    "Post one item, or a batch of 1 to 1000 (all or nothing). Produce right. An item with `delay` "
+                    f"Post one item, or a batch of 1 to {MAX_BATCH} (all or nothing). Produce right. An item with `delay` "
                     "or `runAt` (not both) is scheduled: pending once due, which must be before it ages out. "
                     "A single post's idempotency key may come in the `Idempotency-Key` header or its `key`."
                 ),
@@ -280,7 +291,7 @@ DOCUMENT = {
                         "name": "wait",
                         "in": "query",
                         "description": "Hold the answer up to this many seconds until the item is terminal.",
-                        "schema": {"type": "number", "minimum": 0, "maximum": 60, "default": 0},
+                        "schema": {"type": "number", "minimum": 0, "maximum": MAX_HTTP_WAIT_SECONDS, "default": 0},
                     },
                     {
                         "name": "payload",
@@ -302,8 +313,8 @@ DOCUMENT = {
                         "type": "object",
                         "additionalProperties": False,
                         "properties": {
-                            "max": {"type": "integer", "minimum": 1, "maximum": 100, "default": 1},
-                            "wait": {"type": "number", "minimum": 0, "maximum": 60, "default": 0},
+                            "max": {"type": "integer", "minimum": 1, "maximum": MAX_CLAIM, "default": 1},
+                            "wait": {"type": "number", "minimum": 0, "maximum": MAX_HTTP_WAIT_SECONDS, "default": 0},
                         },
                     },
                     required=False,
@@ -354,7 +365,7 @@ DOCUMENT = {
                         "type": "object",
                         "required": ["seconds"],
                         "additionalProperties": False,
-                        "properties": {"seconds": {"type": "number", "minimum": 1, "maximum": 86400}},
+                        "properties": {"seconds": {"type": "number", "minimum": 1, "maximum": MAX_LEASE_SECONDS}},
                     }
                 ),
                 "responses": {
@@ -376,7 +387,7 @@ DOCUMENT = {
                         "type": "object",
                         "additionalProperties": False,
                         "properties": {
-                            "delay": {"type": "number", "minimum": 0, "maximum": 86400, "default": 0},
+                            "delay": {"type": "number", "minimum": 0, "maximum": MAX_RELEASE_DELAY_SECONDS, "default": 0},
                             "error": {"description": "Any JSON value, at most the payload size limit."},
                         },
                     },

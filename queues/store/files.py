@@ -265,6 +265,9 @@ class _DirectoryFlush:
     _known: dict[str, "_DirectoryFlush"] = {}
     _known_lock = threading.Lock()
     _KEEP_ERRORS = 64  # a waiter learns its flush's outcome long before 64 more flushes end
+    # directories remembered (schedule slots come and go); forgetting one is safe, for a new
+    # flush of it covers all that asked after it started: only a chance to share is lost
+    MOST_KNOWN = 4096
 
     def __init__(self, path: str):
         self.path = path
@@ -279,6 +282,9 @@ class _DirectoryFlush:
         flush = cls._known.get(path)
         if flush is None:
             with cls._known_lock:
+                if len(cls._known) >= cls.MOST_KNOWN:
+                    for oldest in list(cls._known)[: cls.MOST_KNOWN // 2]:
+                        del cls._known[oldest]
                 flush = cls._known.setdefault(path, cls(path))
         return flush
 

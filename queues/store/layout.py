@@ -87,9 +87,19 @@ class Layout:
             raise UnsafePath(f"bad name {entry[:80]!r}")
         return f"{self.directory(queue, name)}/{entry}"
 
+    def health_probe(self) -> str:
+        """A new name for the file /healthz writes, beside the queues (no queue has a dot)."""
+        return f"{self.root}/.healthz-{secrets.token_hex(6)}"
+
     def slot(self, queue: str, slot: int) -> str:
         """The directory of the schedule marks due within one slot."""
         return f"{self.queue_dir(queue)}/schedule/{int(slot)}"
+
+    def in_slot(self, queue: str, slot: int, entry: str) -> str:
+        """A name found by listing a schedule slot."""
+        if "/" in entry or entry in ("", ".", ".."):
+            raise UnsafePath(f"bad name {entry[:80]!r}")
+        return f"{self.slot(queue, slot)}/{entry}"
 
     def due_mark(self, queue: str, due_ms: int, item_id: str) -> str:
         """A scheduled item's mark: its name says when the item is due, and which it is."""

@@ -26,7 +26,7 @@ SUFFIX_LENGTH = len(ITEM_SUFFIX)
 CAPACITY = 100_000  # pending ids one process keeps in memory per queue
 _CHUNK = 10_000  # names handled at once, so a large directory never costs much memory
 # a directory whose entries take no more than this (its size) is listed at once: a thousand
-# names or so, a fraction of a millisecond
+# names or so, cheaper than a hop to a thread
 SMALL_DIRECTORY_BYTES = 64 << 10
 
 log = logging.getLogger(__name__)

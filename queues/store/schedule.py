@@ -79,7 +79,7 @@ class Schedule:
         for slot in sorted(slots):
             directory = self.layout.slot(queue, slot)
             for name in files.names(directory):
-                mark = _parse(name, f"{directory}/{name}")
+                mark = _parse(name, self.layout.in_slot(queue, slot, name))
                 if mark is not None and mark.due <= now:
                     marks.append(mark)
         past = [self.layout.slot(queue, slot) for slot in sorted(slots) if slot < current]

@@ -101,10 +101,6 @@ class Store:
         )
         self._ids = ids.IdMaker()
 
-    @property
-    def fsync(self) -> bool:
-        return self._items.fsync
-
     # ---- queues and health ------------------------------------------------------------------
 
     def ensure_queue(self, queue: str) -> None:
@@ -125,7 +121,7 @@ class Store:
     def check_health(self) -> Health:
         """Whether the data directory takes a real write, flushed, and how much room is left."""
         layout = self._items.layout
-        probe = f"{layout.root}/.healthz-{secrets.token_hex(6)}"
+        probe = layout.health_probe()
         try:
             files.make_directory(layout.root)
             files.write_new(probe, b"\0" * _PROBE_BYTES)
@@ -204,7 +200,12 @@ class Store:
             )
 
     def _check_room(self) -> None:
-        free, total = files.free_and_total_bytes(self._items.layout.root)
+        root = self._items.layout.root
+        try:
+            free, total = files.free_and_total_bytes(root)
+        except FileNotFoundError:  # the data directory was removed: made again, like a state directory
+            files.make_directory(root)
+            free, total = files.free_and_total_bytes(root)
         reserve = self._reserve(total)
         if free < reserve:
             raise StorageUnavailable(
