@@ -18,6 +18,7 @@ from django.conf import settings
 from django.http.request import split_domain_port, validate_host
 
 from . import ids
+from .budget import BODIES_AT_ONCE, receiving
 from .events import hub
 from .exceptions import Forbidden, InvalidRequest, NotHeld, PayloadTooLarge, TaskhosterError, UnknownQueue, client_error
 from .protocol import (
@@ -163,9 +164,11 @@ class WorkConsumer(AsyncWebsocketConsumer):
     async def receive(self, text_data=None, bytes_data=None):
         if self.token is None:
             return  # refused; the close is on its way
+        data = text_data if text_data is not None else bytes_data
+        await receiving.wait_for_room(len(data), limit=BODIES_AT_ONCE * settings.TASKHOSTER_MAX_BODY_BYTES)
         ref = None
         try:
-            frame = parse_frame(text_data if text_data is not None else bytes_data)
+            frame = parse_frame(data)
             ref = frame.get("ref")
             op = frame.get("op")
             if not isinstance(op, str) or op not in FIELDS:
@@ -174,6 +177,8 @@ class WorkConsumer(AsyncWebsocketConsumer):
             await getattr(self, f"handle_{op}")(frame, ref)
         except Exception as exc:
             await self.answer_error(ref, exc)
+        finally:
+            receiving.give_back(len(data))
 
     async def answer(self, op: str, ref, **fields) -> None:
         # ASCII-escaped, so any text a client sent (even a lone surrogate) encodes safely

@@ -1,5 +1,6 @@
-"""The process-wide budget of request-body bytes: uploads that would pass it are answered 503
-`busy` with Retry-After, and every request gives its share back whatever its outcome.
+"""The process-wide budget of request-body and frame bytes: uploads that would pass it are
+answered 503 `busy` with Retry-After, a socket frame waits for room (its sender held back), and
+every request and frame gives its share back whatever its outcome.
 
 Uploads are driven by hand against the API's ASGI application, so a test decides when each part
 of a body arrives and can hold some uploads half-way while others come in.
@@ -11,12 +12,13 @@ import json
 import pytest
 
 from api_support import bearer, disk_snapshot, queues, tokens  # noqa: F401  (fixtures)
-from queues.api import requests
+from queues import budget
 from queues.api.app import application
+from taskhoster_site.asgi import application as application_with_sockets
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
-MAX_BODY = 1000  # so the budget is requests.BODIES_AT_ONCE bodies of 1,000 bytes
+MAX_BODY = 1000  # so the budget is budget.BODIES_AT_ONCE bodies of 1,000 bytes
 WAIT_SECONDS = 10.0  # generous: only ever waited out when a test is about to fail
 
 
@@ -104,11 +106,11 @@ def small_budget(settings):
     """Bodies of at most MAX_BODY bytes; afterwards, every byte of the budget has been given back."""
     settings.TASKHOSTER_MAX_BODY_BYTES = MAX_BODY
     yield
-    assert requests.receiving.taken == 0
+    assert budget.receiving.taken == 0
 
 
 async def test_an_upload_past_the_budget_is_busy_before_its_body_is_read(queues, tokens):
-    held = await held_uploads(tokens["all"], requests.BODIES_AT_ONCE)  # the whole budget
+    held = await held_uploads(tokens["all"], budget.BODIES_AT_ONCE)  # the whole budget
     before = disk_snapshot()
 
     late = await started(tokens["all"], MAX_BODY)
@@ -120,7 +122,7 @@ async def test_an_upload_past_the_budget_is_busy_before_its_body_is_read(queues,
 
 
 async def test_the_budget_is_free_again_once_an_upload_is_answered(queues, tokens):
-    first, *others = await held_uploads(tokens["all"], requests.BODIES_AT_ONCE)
+    first, *others = await held_uploads(tokens["all"], budget.BODIES_AT_ONCE)
     assert_busy(*await (await started(tokens["all"], MAX_BODY)).answer())
 
     await posted(first)
@@ -130,7 +132,7 @@ async def test_the_budget_is_free_again_once_an_upload_is_answered(queues, token
 
 
 async def test_a_streamed_upload_is_busy_as_soon_as_it_passes_the_budget(queues, tokens):
-    held = await held_uploads(tokens["all"], requests.BODIES_AT_ONCE - 1)  # room for one body
+    held = await held_uploads(tokens["all"], budget.BODIES_AT_ONCE - 1)  # room for one body
     streamed = await started(tokens["all"], 2 * MAX_BODY // 3, declare_length=False)
     await streamed.send(MAX_BODY // 3)
     assert not streamed.task.done()  # a third of the room: it fits
@@ -165,10 +167,31 @@ async def end_with_error(upload: Upload) -> None:
 
 @pytest.mark.parametrize("end", [end_with_disconnect, end_with_cancel, end_with_error])
 async def test_an_upload_gives_its_share_back_however_it_ends(queues, tokens, end):
-    first, *others = await held_uploads(tokens["all"], requests.BODIES_AT_ONCE)
+    first, *others = await held_uploads(tokens["all"], budget.BODIES_AT_ONCE)
 
     await end(first)
     replacement = await started(tokens["all"], MAX_BODY)
 
     await posted(replacement)
     await asyncio.gather(*(posted(upload) for upload in others))
+
+
+# ---- socket frames share the budget --------------------------------------------------------------
+
+
+async def test_a_socket_frame_waits_for_room_in_the_budget_and_is_then_answered(queues, tokens):
+    from channels.testing import WebsocketCommunicator
+
+    limit = budget.BODIES_AT_ONCE * MAX_BODY
+    ws = WebsocketCommunicator(application_with_sockets, "/work", headers=[(b"authorization", f"Bearer {tokens['all']}".encode())])
+    assert (await ws.connect())[0]
+    budget.receiving.taken = limit - 10  # as if uploads held nearly all of it
+    try:
+        await ws.send_json_to({"op": "claim", "queue": "jobs", "ref": "r1"})
+        assert await ws.receive_nothing(timeout=0.3)  # held back: not parsed, not answered
+        budget.receiving.taken -= limit - 10  # the uploads end
+        answer = await ws.receive_json_from(timeout=10)
+        assert (answer["op"], answer["ref"]) == ("items", "r1")
+    finally:
+        budget.receiving.taken = max(0, budget.receiving.taken)
+        await ws.disconnect()

@@ -5,41 +5,14 @@ import asyncio
 from functools import cached_property
 from urllib.parse import parse_qsl
 
-from ..exceptions import Busy, InvalidRequest, PayloadTooLarge
+from ..budget import BODIES_AT_ONCE, BodyBudget, receiving
+from ..exceptions import InvalidRequest, PayloadTooLarge
 from ..protocol import parse_json
 
 NO_BODY = object()
 
-# The bodies of this many requests of the largest size may be received, and held while they are
-# handled, at once: past that a request is answered 503 `busy`, so concurrent uploads cannot grow
-# memory without bound. A multiple of TASKHOSTER_MAX_BODY_BYTES, so that one setting sizes both.
-BODIES_AT_ONCE = 4
-# An upload refused for want of room is retried after this long: most others are done by then.
-BUSY_RETRY_SECONDS = 1
-
-
 class ClientGone(Exception):
     """The client disconnected before its request was read: nobody is left to answer."""
-
-
-class BodyBudget:
-    """The bytes of request bodies the process is receiving or holding, shared by every request.
-    Used on the event loop only."""
-
-    def __init__(self):
-        self.taken = 0
-
-    def take(self, size: int, *, limit: int) -> None:
-        """Take `size` bytes more, or raise Busy if that would pass `limit`."""
-        if self.taken + size > limit:
-            raise Busy("the server is receiving too many request bodies at once", retry_after=BUSY_RETRY_SECONDS)
-        self.taken += size
-
-    def give_back(self, size: int) -> None:
-        self.taken -= size
-
-
-receiving = BodyBudget()
 
 
 class Request:
