@@ -51,6 +51,7 @@ TASKHOSTER_MAX_BODY_BYTES = env.int("TASKHOSTER_MAX_BODY_BYTES", default=16 << 2
 TASKHOSTER_MIN_FREE_BYTES = env.int("TASKHOSTER_MIN_FREE_BYTES", default=None)
 
 INSTALLED_APPS = [
+    "queues",  # first: its `runserver` (daphne's, with the sweep beside it) wins over daphne's own
     "daphne",
     "django.contrib.admin",
     "django.contrib.auth",
@@ -59,7 +60,6 @@ INSTALLED_APPS = [
     "django.contrib.messages",
     "django.contrib.staticfiles",
     "channels",
-    "queues",
 ]
 
 MIDDLEWARE = [

@@ -20,6 +20,7 @@ from django.core.management.base import CommandError
 from ..bridge import ChannelBridge
 from ..runtime import get_registry, get_store
 from ..sweep import PROMOTE_SECONDS, Promoter, Sweeper
+from .banner import busy_port_hint
 from .limits import HEAD_TIMEOUT_SECONDS, MAX_HEAD_BYTES, SWEEP_STOP_SECONDS, max_connections, raise_descriptor_limit
 
 __all__ = ["DEFAULT_SERVER", "HEAD_TIMEOUT_SECONDS", "MAX_HEAD_BYTES", "SERVERS", "max_connections", "serve"]
@@ -88,4 +89,4 @@ def serve(*, host: str, port: int, ready: Ready, server: str = DEFAULT_SERVER) -
         for thread in sweeping:
             thread.join(SWEEP_STOP_SECONDS)
     if not listening:
-        raise CommandError(f"cannot listen on {host}:{port}")
+        raise CommandError(f"cannot listen on {host}:{port}" + (f"; {busy_port_hint(port)}" if port else ""))
