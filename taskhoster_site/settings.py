@@ -1,8 +1,9 @@
 """Taskhoster settings, read from the environment (and an optional `.env` beside manage.py).
 
-Every setting is read here and only here; the defaults make a single process run with no other
-service: SQLite, the in-memory channel layer and a data directory under `var/`. What the server
-makes outside the data directory (`var/`, the key file, a SQLite database) is owner-only.
+Every setting is read here and only here, and each is described for users in docs/settings.md
+(change both together). The defaults make a single process run with no other service: SQLite,
+the in-memory channel layer and a data directory under `var/`. What the server makes outside the
+data directory (`var/`, the key file, a SQLite database) is owner-only.
 """
 
 import hashlib
@@ -118,8 +119,8 @@ LOGIN_URL = "admin:login"
 
 # The channel layer only carries wake-ups between server processes (queues/bridge.py): hints a
 # waiter can afford to lose, since it re-checks the disk every second anyway. So with Redis we
-# take RedisPubSubChannelLayer: it carries more messages a second (docs/performance.md) and has no
-# per-channel capacity, where RedisChannelLayer silently drops what is over it (100 by default).
+# take RedisPubSubChannelLayer: it carries more messages a second and has no per-channel
+# capacity, where RedisChannelLayer silently drops what is over it (100 by default).
 # Without Redis there is one process, and the in-memory layer is enough.
 if env.str("REDIS_URL", default=""):
     CHANNEL_LAYERS = {

@@ -19,7 +19,7 @@ def test_the_banner_says_how_to_get_into_the_dashboard_and_where_the_api_is():
     text = banner(host="127.0.0.1", port=8000)
 
     assert "http://127.0.0.1:8000/ " in text and "python manage.py createsuperuser" in text
-    assert "http://127.0.0.1:8000/api/schema" in text
+    assert "http://127.0.0.1:8000/api/schema" in text and "/api/ " not in text
     assert "ws://127.0.0.1:8000/work" in text
     assert "ALLOWED_HOSTS" not in text
 

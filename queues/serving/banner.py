@@ -16,7 +16,7 @@ def banner(*, host: str, port: int) -> str:
         "Taskhoster is serving.",
         f"  dashboard  http://{base}/   (log in as staff; make an account with: python manage.py createsuperuser)",
         f"  admin      http://{base}/admin/",
-        f"  API        http://{base}/api/   (the calls: http://{base}/api/schema)",
+        f"  API        http://{base}/api/schema   (every call, as an OpenAPI document)",
         f"  workers    ws://{base}/work",
         "Make a queue with: python manage.py createqueue NAME",
         "Make an API token with: python manage.py createtoken NAME [--queues a,b] [--produce] [--work]",
