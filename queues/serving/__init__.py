@@ -18,6 +18,7 @@ from django.core.management import call_command
 from django.core.management.base import CommandError
 
 from ..bridge import ChannelBridge
+from ..roster import RosterExchange, roster
 from ..runtime import get_registry, get_store
 from ..sweep import PROMOTE_SECONDS, Promoter, Sweeper
 from .banner import busy_port_hint
@@ -65,11 +66,12 @@ def start_sweeper(stop: threading.Event) -> list[threading.Thread]:
 
 def background_tasks() -> Background:
     """What runs on the server's event loop beside the application. The in-memory layer reaches
-    no other process, so the bridge only runs on a shared (Redis) layer."""
+    no other process, so the bridge and the exchange of connected workers only run on a shared
+    (Redis) layer."""
     layer = get_channel_layer()
     if layer is None or isinstance(layer, InMemoryChannelLayer):
         return []
-    return [ChannelBridge(layer).run]
+    return [ChannelBridge(layer).run, RosterExchange(layer, roster).run]
 
 
 def serve(*, host: str, port: int, ready: Ready, server: str = DEFAULT_SERVER) -> None:
