@@ -33,9 +33,12 @@ class Command(BaseCommand):
             token.full_clean()
         except ValidationError as exc:
             raise CommandError(validation_messages(exc)) from exc
-        unknown = sorted(set(token.queues) - set(Queue.objects.filter(name__in=token.queues).values_list("name", flat=True)))
+        existing = Queue.objects.filter(name__in=token.queues).values_list("name", flat=True)
+        unknown = sorted(set(token.queues) - set(existing))
         if unknown:
-            raise CommandError(f"no queue named {', '.join(unknown)}; make it first: python manage.py createqueue {unknown[0]}")
+            raise CommandError(
+                f"no queue named {', '.join(unknown)}; make it first: python manage.py createqueue {unknown[0]}"
+            )
         with transaction.atomic():
             taken = ApiToken.objects.select_for_update().filter(name=name)
             if taken.exists() and not replace:
