@@ -10,6 +10,7 @@ socket: any error, expected or not, is answered with an error frame.
 import asyncio
 import json
 import logging
+import time
 from urllib.parse import parse_qs
 
 from channels.consumer import get_handler_name
@@ -36,6 +37,7 @@ from .protocol import (
     string_field,
     value_field,
 )
+from .roster import Connection, roster
 from .runtime import get_registry, get_store, run
 from .store import ABSENT, QueueConfig, Release, single
 
@@ -100,6 +102,7 @@ class WorkConsumer(AsyncWebsocketConsumer):
         self.held: dict[tuple[str, str], str] = {}  # (queue, id) -> claim token
         self.waiting: set[asyncio.Task] = set()  # claims waiting for items
         self.claiming: set[asyncio.Task] = set()  # store claims in flight
+        self.connection: Connection | None = None  # on the dashboard's list of workers while open
 
     async def dispatch(self, message):
         # Channels' dispatch awaits aclose_old_connections() (a thread hop) before every message;
@@ -123,6 +126,10 @@ class WorkConsumer(AsyncWebsocketConsumer):
             await self.close(code=UNAUTHORIZED, reason="a valid API token with the right to work is required")
             return
         self.token = token
+        host, port = self.scope.get("client") or ("?", 0)
+        self.connection = Connection(name=grant.name, address=f"{host}:{port}", connected_at=time.time(),
+                                     held=lambda: list(self.held.copy()))  # copied at once: safe from any thread
+        roster.join(self.connection)
 
     async def __call__(self, scope, receive, send):
         try:
@@ -140,6 +147,8 @@ class WorkConsumer(AsyncWebsocketConsumer):
     async def let_go(self, *, reason: str) -> None:
         """Stop the waiting claims and re-queue every item this connection still holds (G8). A
         server that stops gives them back without counting the try against maxAttempts."""
+        if self.connection is not None:
+            roster.leave(self.connection)
         for task in self.waiting:
             task.cancel()
         await asyncio.gather(*self.waiting, return_exceptions=True)
@@ -208,6 +217,7 @@ class WorkConsumer(AsyncWebsocketConsumer):
         max_items = integer_field(frame, "max", low=1, high=MAX_CLAIM, default=1)
         wait = number_field(frame, "wait", low=0, high=MAX_SOCKET_CLAIM_WAIT_SECONDS, default=0)
         config = await self.work_queue(name)
+        self.connection.queues.add(name)
         posted = hub.available_mark(name)
         items = await self.claim(config, max_items)
         if items or not wait:

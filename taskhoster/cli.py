@@ -8,12 +8,15 @@
     taskhoster stats [QUEUE]                  print a queue (or every queue, one per line) as JSON
     taskhoster work QUEUE [--concurrency N] [--retry] -- CMD ARGS...
                                               run CMD per item: payload on stdin, result from stdout
+    taskhoster --version                      print the client's version
 
-The server and the token come from --url/--token or TASKHOSTER_URL/TASKHOSTER_TOKEN. An error is
+The server and the token come from --url/--token or TASKHOSTER_URL/TASKHOSTER_TOKEN (the URL
+defaults to http://127.0.0.1:8000). An error is
 one line on stderr and exit status 1 (2 for a mistake in the command line itself).
 """
 
 import argparse
+import importlib.metadata
 import json
 import logging
 import math
@@ -71,11 +74,21 @@ def _reject_constant(name: str):
     raise ValueError(f"{name} is not JSON")
 
 
+QUOTING_HINT = "a text payload is a JSON string, quoted for the shell too: taskhoster post QUEUE '\"hello\"'"
+
+
 def parse_json(text: str, what: str):
     try:
         return json.loads(text, parse_constant=_reject_constant)
     except ValueError as exc:
-        raise UsageError(f"{what} is not valid JSON: {exc}") from None
+        raise UsageError(f"{what} is not valid JSON: {exc} ({QUOTING_HINT})") from None
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("taskhoster")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown"
 
 
 def _print_json(value) -> None:
@@ -158,7 +171,10 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--token", default=argparse.SUPPRESS, help="API token (default: $TASKHOSTER_TOKEN)")
 
     parser = _Parser(prog="taskhoster", parents=[server],
-                     description="Post items to a Taskhoster server, read them, or work a queue.")
+                     description="Post items to a Taskhoster server, read them, or work a queue.",
+                     epilog="The server's URL defaults to http://127.0.0.1:8000. Each command has its own "
+                            "--help, e.g. taskhoster work --help.")
+    parser.add_argument("--version", action="version", version=f"taskhoster {_version()}")
     commands = parser.add_subparsers(dest="subcommand", required=True, parser_class=_Parser)
 
     p = commands.add_parser("post", parents=[server], help="post one item, or one JSON per line from stdin")
@@ -193,8 +209,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("queue", nargs="?")
     p.set_defaults(run=stats)
 
-    p = commands.add_parser("work", parents=[server], help="run a command for each item of a queue",
-                            usage="taskhoster work QUEUE [--concurrency N] [--retry] -- CMD ARGS...")
+    p = commands.add_parser(
+        "work", parents=[server], help="run a command for each item of a queue",
+        usage="taskhoster work QUEUE [--concurrency N] [--retry] -- CMD ARGS...",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Run CMD ARGS... once for each item claimed from QUEUE, until SIGTERM or Ctrl-C.\n\n"
+                    "  stdin   the item's payload, as one line of JSON\n"
+                    "  stdout  the item's result: it must be JSON (a bare word is not; print '\"ok\"')\n"
+                    "  env     TASKHOSTER_ITEM_ID, TASKHOSTER_QUEUE, TASKHOSTER_ATTEMPTS, "
+                    "TASKHOSTER_MAX_ATTEMPTS\n\n"
+                    "A command that exits non-zero, or prints something that is not JSON, gives the item an "
+                    "error result\n(or, with --retry, gives it back for another try).",
+        epilog="example: taskhoster work shout -- tr a-z A-Z")
     p.add_argument("queue", help="the queue to work (several: a,b)")
     p.add_argument("--concurrency", type=_count, default=1, metavar="N", help="items at once (default 1)")
     p.add_argument("--retry", action="store_true",

@@ -69,8 +69,8 @@ class Connection:
                 await self._serve(link)
             finally:
                 await socket.close()
-            if socket.close_code == AUTH_CLOSE_CODE:
-                raise Unauthorized("unauthorized", "the server refused the token")
+            if socket.close_code == AUTH_CLOSE_CODE:  # the server's reason says which right is missing
+                raise Unauthorized("unauthorized", socket.close_reason or "the server refused the token")
             if link.answered:  # the socket worked: a later loss starts the backoff afresh
                 failures = 0
             if not self._finished.is_set():

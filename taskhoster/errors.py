@@ -13,8 +13,8 @@ class ConnectionFailed(TaskhosterError):
 
 
 class ApiError(TaskhosterError):
-    """The server answered with an error: `code` is the SPEC's error code (e.g. `unknown_queue`),
-    `status` the HTTP status (None for an error frame on the socket)."""
+    """The server answered with an error: `code` is the API's error code (e.g. `unknown_queue`; the
+    list is in docs/api.md), `status` the HTTP status (None for an error frame on the socket)."""
 
     def __init__(self, code: str, message: str, status: int | None = None):
         super().__init__(f"{code}: {message}" if message else code)

@@ -109,6 +109,24 @@ def encode(result: Any) -> str:
     return _encoder.encode(result)
 
 
+def check_handler(handler: Callable) -> None:
+    """Refuse, before anything is claimed, a handler that cannot be called as handler(payload, job):
+    otherwise every item would end with a TypeError as its result."""
+    if not callable(handler):
+        raise TypeError(f"the handler must be a function, not {type(handler).__name__}")
+    try:
+        signature = inspect.signature(handler)
+    except (TypeError, ValueError):  # some builtins have no signature to read: let them be
+        return
+    try:
+        signature.bind(None, None)
+    except TypeError:
+        raise TypeError(
+            f"the handler {getattr(handler, '__name__', handler)!r} must take two arguments, (payload, job), "
+            f"but its signature is {signature}; add a `job` parameter, e.g. def handle(payload, job): ..."
+        ) from None
+
+
 def is_async(handler: Callable) -> bool:
     return inspect.iscoroutinefunction(handler) or inspect.iscoroutinefunction(getattr(handler, "__call__", None))
 

@@ -76,6 +76,11 @@ class WebSocket(asyncio.BufferedProtocol):
     def close_code(self) -> int | None:
         return self._protocol.close_code
 
+    @property
+    def close_reason(self) -> str:
+        """What the server said when it closed the socket ("" when it said nothing)."""
+        return self._protocol.close_reason or ""
+
     def send(self, text: str) -> None:
         if self._protocol.state is not State.OPEN:
             raise SocketClosed()

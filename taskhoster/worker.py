@@ -23,12 +23,14 @@ A canceled item's handler is told: an async one's task is cancelled, a plain one
 """
 
 import asyncio
+import logging
 import signal
+import sys
 import threading
 
 from .config import server_settings
 from .errors import TaskhosterError
-from .jobs import Handler
+from .jobs import Handler, check_handler
 from .run import Run
 
 ON_ERROR = ("result", "retry", "release")
@@ -67,11 +69,15 @@ class Worker:
     def run(self, handler: Handler) -> None:
         """Work until SIGTERM or SIGINT (a second one skips the grace period). Raises
         ConnectionFailed if the server cannot be reached at the start, Unauthorized for a bad token,
-        UnknownQueue or Forbidden for a queue it may not work."""
+        UnknownQueue or Forbidden for a queue it may not work, TypeError for a handler that does
+        not take (payload, job). Logs to stderr when the program has not set up logging."""
+        check_handler(handler)
+        _log_to_stderr_unless_configured()
         asyncio.run(self._run_until_signalled(handler))
 
     async def run_async(self, handler: Handler) -> None:
         """Work on the running event loop until stop() is called; raises as run() does."""
+        check_handler(handler)
         with self._lock:
             run = self._run = Run(handler, url=self.url, token=self._token, queues=self.queues,
                                   concurrency=self.concurrency, on_error=self.on_error, retry_base=self.retry_base,
@@ -110,3 +116,16 @@ class Worker:
         current = self._run
         if current is not None:
             current.request_stop(now=current.stopping)
+
+
+def _log_to_stderr_unless_configured() -> None:
+    """A worker that says nothing looks dead: when the program set up no logging, the worker's
+    own messages (INFO and up) go to stderr."""
+    logger = logging.getLogger("taskhoster")
+    if logging.getLogger().handlers or logger.handlers:
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s taskhoster: %(message)s"))
+    logger.addHandler(handler)
+    if logger.level == logging.NOTSET:
+        logger.setLevel(logging.INFO)

@@ -1,8 +1,9 @@
 """Taskhoster settings, read from the environment (and an optional `.env` beside manage.py).
 
-Every setting is read here and only here; the defaults make a single process run with no other
-service: SQLite, the in-memory channel layer and a data directory under `var/`. What the server
-makes outside the data directory (`var/`, the key file, a SQLite database) is owner-only.
+Every setting is read here and only here, and each is described for users in docs/settings.md
+(change both together). The defaults make a single process run with no other service: SQLite,
+the in-memory channel layer and a data directory under `var/`. What the server makes outside the
+data directory (`var/`, the key file, a SQLite database) is owner-only.
 """
 
 import hashlib
@@ -51,6 +52,7 @@ TASKHOSTER_MAX_BODY_BYTES = env.int("TASKHOSTER_MAX_BODY_BYTES", default=16 << 2
 TASKHOSTER_MIN_FREE_BYTES = env.int("TASKHOSTER_MIN_FREE_BYTES", default=None)
 
 INSTALLED_APPS = [
+    "queues",  # first: its `runserver` (daphne's, with the sweep beside it) wins over daphne's own
     "daphne",
     "django.contrib.admin",
     "django.contrib.auth",
@@ -59,7 +61,6 @@ INSTALLED_APPS = [
     "django.contrib.messages",
     "django.contrib.staticfiles",
     "channels",
-    "queues",
 ]
 
 MIDDLEWARE = [
@@ -79,7 +80,9 @@ WSGI_APPLICATION = None
 TEMPLATES = [
     {
         "BACKEND": "django.template.backends.django.DjangoTemplates",
-        "DIRS": [BASE_DIR / "templates"],
+        # inside the package, so an installed wheel has them too; before the apps' own, so
+        # admin/base_site.html here brands the admin
+        "DIRS": [Path(__file__).resolve().parent / "templates"],
         "APP_DIRS": True,
         "OPTIONS": {
             "context_processors": [
@@ -118,8 +121,8 @@ LOGIN_URL = "admin:login"
 
 # The channel layer only carries wake-ups between server processes (queues/bridge.py): hints a
 # waiter can afford to lose, since it re-checks the disk every second anyway. So with Redis we
-# take RedisPubSubChannelLayer: it carries more messages a second (docs/performance.md) and has no
-# per-channel capacity, where RedisChannelLayer silently drops what is over it (100 by default).
+# take RedisPubSubChannelLayer: it carries more messages a second and has no per-channel
+# capacity, where RedisChannelLayer silently drops what is over it (100 by default).
 # Without Redis there is one process, and the in-memory layer is enough.
 if env.str("REDIS_URL", default=""):
     CHANNEL_LAYERS = {

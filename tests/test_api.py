@@ -1,4 +1,4 @@
-"""Each API call's success path, with the JSON shapes SPEC shows."""
+"""Each API call's success path, with the JSON shapes docs/api.md shows."""
 
 import asyncio
 import errno

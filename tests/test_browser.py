@@ -1,5 +1,6 @@
 """The dashboard in a real browser: headless Chromium against a real `manage.py serve`."""
 
+import json
 import re
 from pathlib import Path
 
@@ -148,3 +149,62 @@ def test_staff_watch_the_dashboard_update_live_and_work_a_queue(site, browser_pa
     server.stop()
     expect(page.get_by_role("link", name="Reload the page")).to_be_visible()
     expect(page.locator("[data-live-status]")).to_have_attribute("data-live-status", "offline")
+
+
+def no_horizontal_overflow(page) -> bool:
+    return page.evaluate("document.documentElement.scrollWidth <= window.innerWidth")
+
+
+def test_on_a_phone_the_pages_fit_and_workers_and_new_queues_are_at_hand(site, browser_page, tmp_path):
+    """At 390 px wide nothing scrolls sideways; a worker that connects shows up live, with what it
+    holds; a queue is made from the dashboard."""
+    from websockets.sync.client import connect
+
+    deployment, server, api = site
+    page = browser_page
+    page.set_viewport_size({"width": 390, "height": 844})
+    page.goto(f"{server.url}/")
+    page.get_by_label("Username").fill("operator")
+    page.get_by_label("Password").fill(PASSWORD)
+    page.get_by_role("button", name="Log in").click()
+    expect(page.locator("[data-live-status]")).to_have_attribute("data-live-status", "live")
+    expect(page.get_by_text("No worker is connected")).to_be_visible()
+
+    long_payload = {"image": "a-rather-long-file-name-" * 8 + ".png", "sizes": [64, 128, 256, 512]}
+    item_id = api.post("/api/queues/thumbnails/items", json={"payload": long_payload}).json()["id"]
+    token = api.headers["Authorization"]
+    with connect(server.ws_url, additional_headers={"Authorization": token}) as worker:
+        worker.send('{"op": "claim", "queue": "thumbnails"}')
+        assert item_id in worker.recv()
+        workers = page.locator("tbody[data-worker-rows] tr")
+        expect(workers).to_have_count(1)
+        expect(workers.first).to_contain_text("browser-test")
+        expect(workers.first.get_by_role("link", name=item_id[-8:])).to_have_attribute(
+            "href", f"/queues/thumbnails/items/{item_id}/")
+        expect(page.locator('tr[data-queue="thumbnails"] [data-field="workers"]')).to_have_text("1 worker")
+        assert no_horizontal_overflow(page)
+        page.screenshot(path=tmp_path / "phone-dashboard.png", full_page=True)
+        error = {"error": {"type": "ValueError", "message": "no such image",
+                           "traceback": "Traceback (most recent call last):\n  File \"handler.py\", line 3\n" * 5}}
+        worker.send(json.dumps({"op": "result", "queue": "thumbnails", "id": item_id, "result": error}))
+        assert '"accepted":true' in worker.recv()
+    expect(page.get_by_text("No worker is connected")).to_be_visible()
+
+    page.goto(f"{server.url}/queues/thumbnails/?state=done")
+    expect(page.locator(".th-status")).to_have_text("error: ValueError")
+    expect(page.locator(".th-preview")).to_contain_text('{"image":"a-rather-long')
+    assert no_horizontal_overflow(page)
+    page.screenshot(path=tmp_path / "phone-queue.png", full_page=True)
+    page.get_by_role("link", name=item_id).click()
+    expect(page.locator(".th-traceback")).to_contain_text('File "handler.py", line 3')
+    assert no_horizontal_overflow(page)
+    page.screenshot(path=tmp_path / "phone-item.png", full_page=True)
+
+    page.goto(f"{server.url}/")
+    page.get_by_text("New queue").click()
+    page.get_by_label("Name").fill("invoices")
+    page.get_by_label("Max attempts").fill("3")
+    page.get_by_role("button", name="Make the queue").click()
+    expect(page.get_by_role("heading", name="Queue invoices")).to_be_visible()
+    assert api.get("/api/queues/invoices").json()["maxAttempts"] == 3
+    assert no_horizontal_overflow(page)

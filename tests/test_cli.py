@@ -4,6 +4,7 @@ and exit status, and the errors a user meets (wrong token, no server, unknown qu
 It is run as `python -m taskhoster.cli`, which works whether or not the console script is
 installed; one test checks the installed `taskhoster` script itself."""
 
+import importlib.metadata
 import json
 import signal
 import subprocess
@@ -113,7 +114,7 @@ def test_a_bad_line_on_stdin_posts_nothing(live, producer):
 def test_a_bad_json_argument_is_one_line_and_posts_nothing(live, producer, argument):
     before = producer.stats("cli")["counts"]["pending"]
     done = run_cli(live, "post", "cli", argument)
-    assert_one_line_error(done, 2, "the payload is not valid JSON")
+    assert_one_line_error(done, 2, "the payload is not valid JSON", "taskhoster post QUEUE '\"hello\"'")
     assert producer.stats("cli")["counts"]["pending"] == before
 
 
@@ -189,6 +190,26 @@ def test_a_wrong_token_is_one_line_and_exit_status_1(live, args):
     assert_one_line_error(done, 1, "unauthorized")
 
 
+def test_work_with_a_token_without_the_work_right_says_the_servers_reason(live):
+    produce_only = live.deployment.create_token("produce-only", "--produce")
+    done = run_cli(live, "work", "work", "--", "cat", TASKHOSTER_TOKEN=produce_only)
+    assert_one_line_error(done, 1, "unauthorized: a valid API token with the right to work is required")
+
+
+def test_version_prints_the_clients_version():
+    done = subprocess.run(cli_command("--version"), cwd=PROJECT_DIR, env=client_env(), capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0
+    assert done.stdout.strip() == f"taskhoster {importlib.metadata.version('taskhoster')}"
+
+
+def test_work_help_says_the_payload_comes_on_stdin_and_the_result_goes_to_stdout():
+    done = subprocess.run(cli_command("work", "--help"), cwd=PROJECT_DIR, env=client_env(), capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0
+    assert "stdin   the item's payload" in done.stdout and "stdout  the item's result" in done.stdout
+
+
 @pytest.mark.parametrize("args", SUBCOMMANDS, ids=lambda args: args[0])
 def test_an_unreachable_server_is_one_line_and_exit_status_1(live, args):
     done = run_cli(live, *args, TASKHOSTER_URL=NO_SERVER)
@@ -201,10 +222,10 @@ def test_an_unknown_queue_is_one_line_and_exit_status_1(live, args):
     assert_one_line_error(run_cli(live, *args), 1, "unknown_queue")
 
 
-def test_no_server_settings_at_all_is_one_line(live):
+def test_no_token_at_all_is_one_line_that_says_how_to_make_one(live):
     done = subprocess.run(cli_command("stats"), cwd=PROJECT_DIR, env=client_env(), capture_output=True, text=True,
                           timeout=60)
-    assert_one_line_error(done, 1, "no server URL", "TASKHOSTER_URL")
+    assert_one_line_error(done, 1, "no token", "TASKHOSTER_TOKEN", "createtoken")
 
 
 @pytest.mark.parametrize(

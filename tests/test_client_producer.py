@@ -204,13 +204,19 @@ def test_url_and_token_come_from_the_environment(monkeypatch):
 
 @pytest.mark.parametrize(
     ("url", "token", "message"),
-    [(None, "th_x", "no server URL"), (URL, None, "no token"), ("127.0.0.1:8000", "th_x", "must look like http")],
+    [(URL, None, "no token"), ("127.0.0.1:8000", "th_x", "must look like http")],
 )
 def test_a_missing_or_malformed_server_setting_is_a_clear_error(monkeypatch, url, token, message):
     monkeypatch.delenv("TASKHOSTER_URL", raising=False)
     monkeypatch.delenv("TASKHOSTER_TOKEN", raising=False)
     with pytest.raises(TaskhosterError, match=message):
         Producer(url, token)
+
+
+def test_without_a_url_the_producer_goes_to_the_servers_default_address(monkeypatch):
+    monkeypatch.delenv("TASKHOSTER_URL", raising=False)
+    with Producer(token="th_x") as producer:
+        assert producer.url == "http://127.0.0.1:8000"
 
 
 def test_an_unreachable_server_raises_connection_failed():

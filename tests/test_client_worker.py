@@ -48,6 +48,7 @@ QUEUES = {
     "many": {},
     "killed": {},
     "signals": {},
+    "talks": {},
 }
 
 # A worker process for the end-to-end tests: each handler call is logged, then sleeps.
@@ -137,6 +138,25 @@ def started(log_path) -> list[tuple[str, int]]:
 
 
 # ---- handlers and results -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("handler", [lambda payload: payload, lambda: None, lambda payload, job, extra: None],
+                         ids=["one argument", "none", "three required"])
+def test_a_handler_that_cannot_take_payload_and_job_is_refused_before_anything_is_claimed(handler):
+    worker = Worker("http://127.0.0.1:9", "th_x", queues=["basic"])  # nothing listens: nothing is reached
+
+    with pytest.raises(TypeError, match=r"must take two arguments, \(payload, job\)"):
+        worker.run(handler)
+
+
+def test_a_worker_in_a_program_without_logging_set_up_says_what_it_works_on_stderr(live, tmp_path):
+    worker = start_worker_process(live, "talks", "quiet", tmp_path / "log")
+    try:
+        line = worker.stderr.readline()
+    finally:
+        worker.send_signal(signal.SIGTERM)
+        worker.communicate(timeout=30)
+    assert "taskhoster: working talks at" in line
 
 
 def test_a_plain_handler_gets_the_payload_and_the_job_and_its_return_is_the_result(live, producer):

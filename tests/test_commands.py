@@ -53,6 +53,15 @@ def test_createqueue_creates_a_queue_with_the_defaults_and_prints_it():
     assert queue_dirs() == ["thumbs"]
 
 
+def test_createqueue_says_on_stderr_whether_it_created_or_updated():
+    out, err = StringIO(), StringIO()
+    call_command("createqueue", "thumbs", stdout=out, stderr=err)
+    call_command("createqueue", "thumbs", "--lease-seconds", "5", stdout=out, stderr=err)
+
+    assert err.getvalue().splitlines() == ["created queue thumbs", "updated queue thumbs"]
+    assert [json.loads(line)["name"] for line in out.getvalue().splitlines()] == ["thumbs", "thumbs"]
+
+
 def test_createqueue_sets_every_setting():
     shown = createqueue(
         "thumbs", "--lease-seconds", "5", "--queue-seconds", "600", "--retain-seconds", "0",

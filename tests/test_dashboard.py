@@ -293,7 +293,8 @@ def test_item_page_of_a_failed_item_shows_the_error(staff_client, db, clocked_st
     response = staff_client.get(f"/queues/thumbs/items/{item.id}/")
 
     assert response.context["error"] == "timeout"
-    assert b"No result: the server failed this item (timeout)" in response.content
+    assert b"No result: the server failed this item (timeout: it grew older than" in response.content
+    assert b"(queueSeconds, 5 s) before it ended" in response.content  # which limit failed it
 
 
 def test_viewing_an_item_is_not_a_fetch(staff_client, db):
@@ -629,3 +630,62 @@ def test_cancel_ends_an_item_from_the_dashboard_and_an_ended_one_is_left_alone(s
     response = staff_client.post(f"/queues/thumbs/items/{item_id}/cancel", follow=True)
     assert b"had ended already" in response.content
     assert b">Retry<" in staff_client.get(f"/queues/thumbs/items/{item_id}/").content
+
+
+# ---- first-hour additions: filters, previews, limits, new queues, last 60 s, workers ----------------
+
+
+def test_the_done_tab_filters_finished_and_failed_and_says_which_limit_failed_an_item(staff_client, db, clocked_store,
+                                                                                       clock):
+    config = save_queue("thumbs", queue_seconds=60, max_attempts=1).config()
+    aged, tried, fine = (item.id for item in post_batch(clocked_store, "thumbs", [{"n": 1}, {"n": 2}, {"n": 3}]))
+    claimed = {item.id: item for item in clocked_store.claim_items(config=config, max_items=3)}
+    release(clocked_store, config, tried, claimed[tried].claim_token)  # its one try is used up
+    finish(clocked_store, config, fine, "ok")
+    clock.advance(61)
+    clocked_store.sweep_queue(config=config)
+
+    failed = staff_client.get("/queues/thumbs/?state=done&status=failed")
+    finished = staff_client.get("/queues/thumbs/?state=done&status=finished")
+
+    assert sorted(row["id"] for row in failed.context["items"]) == sorted([aged, tried])
+    assert [row["id"] for row in finished.context["items"]] == [fine]
+    why = {row["id"]: row["why"] for row in failed.context["items"]}
+    assert "queueSeconds, 1 min" in why[aged] and "maxAttempts, 1" in why[tried]
+    assert {f["status"]: f["count"] for f in failed.context["filters"]} == {"": 3, "finished": 1, "failed": 2}
+    assert b"maxAttempts, 1" in failed.content
+
+
+def test_item_lists_show_a_preview_of_each_payload(staff_client, queue):
+    post("thumbs", {"image": "cat.png"}, "x" * 500)
+
+    rows = staff_client.get("/queues/thumbs/").context["items"]
+
+    assert [row["preview"] for row in rows] == ["\"" + "x" * 78 + "…", '{"image":"cat.png"}']
+
+
+def test_staff_make_a_queue_from_the_dashboard(django_user_model, db):
+    admin = django_user_model.objects.create_superuser("boss", password="pw")
+    client = Client()
+    client.force_login(admin)
+
+    made = client.post("/new-queue", {"name": "mail", "lease_seconds": "30", "max_attempts": "5",
+                                      "queue_seconds": "", "retain_seconds": ""}, follow=True)
+    again = client.post("/new-queue", {"name": "mail"}, follow=True)
+    bad = client.post("/new-queue", {"name": "Bad Name"}, follow=True)
+
+    assert made.redirect_chain[-1][0] == "/queues/mail/"
+    queue = Queue.objects.get()
+    assert (queue.name, queue.lease_seconds, queue.max_attempts, queue.queue_seconds) == ("mail", 30, 5, 86400)
+    assert "There is a queue named mail already" in again.content.decode()
+    assert "The queue was not made: Name:" in bad.content.decode()
+    assert Queue.objects.count() == 1
+
+
+def test_staff_without_the_permission_cannot_make_a_queue(staff_client, db):
+    page = staff_client.get("/")
+    answer = staff_client.post("/new-queue", {"name": "mail"}, follow=True)
+
+    assert b"New queue" not in page.content
+    assert "You may not make queues" in answer.content.decode()
+    assert not Queue.objects.exists()

@@ -1,5 +1,5 @@
-"""Every transition of the store and the guarantees it alone can show (SPEC G1-G6, G8 at store
-level), with the injected FakeClock instead of sleeps. The timers applied by the sweep are in
+"""Every transition of the store and the guarantees it alone can show (G1-G6, G8 of docs/lifecycle.md,
+at store level), with the injected FakeClock instead of sleeps. The timers applied by the sweep are in
 test_store_sweep.py; failures of the disk in test_store_faults.py."""
 
 import json

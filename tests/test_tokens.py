@@ -46,6 +46,8 @@ def test_createtoken_gives_the_rights_asked_for_and_both_when_none_is(flags, pro
 
 
 def test_createtoken_limits_the_token_to_the_queues_named():
+    for name in ("thumbs", "mail"):
+        call_command("createqueue", name, stdout=StringIO(), stderr=StringIO())
     raw = createtoken("t", "--queues", "thumbs, mail,").strip()
 
     registry = get_registry()
@@ -61,6 +63,68 @@ def test_createtoken_refuses_a_bad_queue_name_and_saves_nothing(queues):
         createtoken("t", "--queues", queues)
 
     assert not ApiToken.objects.exists()
+
+
+def test_createtoken_refuses_a_queue_that_does_not_exist_and_saves_nothing():
+    with pytest.raises(CommandError, match="no queue named nosuch; make it first: python manage.py createqueue nosuch"):
+        createtoken("t", "--queues", "nosuch")
+
+    assert not ApiToken.objects.exists()
+
+
+def test_createtoken_refuses_a_name_taken_already_and_keeps_the_old_token():
+    first = createtoken("deploy").strip()
+
+    with pytest.raises(CommandError, match="a token named 'deploy' exists already; give --replace"):
+        createtoken("deploy")
+
+    assert list(ApiToken.objects.values_list("token_hash", flat=True)) == [hash_token(first)]
+
+
+def test_createtoken_replace_revokes_the_old_token_and_says_so():
+    first = createtoken("deploy").strip()
+    out, err = StringIO(), StringIO()
+
+    call_command("createtoken", "deploy", "--replace", stdout=out, stderr=err)
+
+    second = out.getvalue().strip()
+    assert TOKEN.fullmatch(second) and second != first
+    assert list(ApiToken.objects.values_list("token_hash", flat=True)) == [hash_token(second)]
+    assert "revoked the old token 'deploy'" in err.getvalue()
+
+
+def test_listtokens_shows_names_rights_and_queues_but_never_a_value():
+    call_command("createqueue", "thumbs", stdout=StringIO(), stderr=StringIO())
+    raw = createtoken("ci", "--work", "--queues", "thumbs").strip()
+    createtoken("admin")
+    out = StringIO()
+
+    call_command("listtokens", stdout=out)
+
+    lines = out.getvalue().splitlines()
+    assert [line.split("\t")[:3] for line in lines] == [["admin", "produce+work", "every queue"],
+                                                         ["ci", "work", "thumbs"]]
+    assert all(line.endswith("last used never") for line in lines)
+    assert raw not in out.getvalue()
+
+
+def test_revoketoken_deletes_the_named_token_and_the_server_refuses_it():
+    raw = createtoken("old").strip()
+    createtoken("kept")
+    err = StringIO()
+
+    call_command("revoketoken", "old", stderr=err)
+
+    assert list(ApiToken.objects.values_list("name", flat=True)) == ["kept"]
+    assert "revoked 1 token named 'old'" in err.getvalue()
+    registry = get_registry()
+    registry.refresh()
+    assert registry.authenticate(raw) is None
+
+
+def test_revoketoken_of_an_unknown_name_is_an_error():
+    with pytest.raises(CommandError, match="no token named 'nosuch'"):
+        call_command("revoketoken", "nosuch")
 
 
 def test_createtoken_refuses_an_empty_name_and_saves_nothing():

@@ -82,7 +82,7 @@ class Request:
 
     def _check_size(self, size: int) -> None:
         if size > self.max_body_bytes:
-            raise PayloadTooLarge(f"the body is over {self.max_body_bytes} bytes")
+            raise PayloadTooLarge(f"the body is over {self.max_body_bytes} bytes (TASKHOSTER_MAX_BODY_BYTES)")
 
     def _hold_budget(self, size: int) -> None:
         """Hold `size` bytes of the budget in all."""

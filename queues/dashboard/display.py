@@ -41,6 +41,19 @@ def error_shape(value) -> dict | None:
     return text if "type" in text or "message" in text else None
 
 
+def failure_reason(error: str | None, *, attempts: int, queue) -> str:
+    """Which of the queue's limits failed an item (or that it was canceled), in words."""
+    if error == "timeout":
+        life = format_duration(queue.queue_seconds)
+        return f"it grew older than the queue's item life (queueSeconds, {life}) before it ended"
+    if error == "max_attempts":
+        limit = queue.max_attempts if queue.max_attempts is not None else "now none"
+        return f"it was handed out {attempts} times, the queue's limit (maxAttempts, {limit}), and was due back again"
+    if error == "canceled":
+        return "a producer or staff canceled it"
+    return ""
+
+
 def chart_columns(throughput: list[dict]) -> list[dict]:
     """One column per minute, heights in percent of the busiest minute."""
     peak = max((minute["finished"] + minute["failed"] for minute in throughput), default=0)
@@ -57,7 +70,7 @@ def chart_columns(throughput: list[dict]) -> list[dict]:
 def queue_row(queue: dict) -> dict:
     """Everything one dashboard row shows, from one queue of a snapshot."""
     counts = queue["counts"]
-    last = queue["throughput"][-1] if queue["throughput"] else {"finished": 0, "failed": 0}
+    last = queue["lastMinute"]
     return {
         "name": queue["name"],
         "paused": queue["paused"],
@@ -66,7 +79,19 @@ def queue_row(queue: dict) -> dict:
         "oldest": format_duration(queue["oldestPendingAgeSeconds"]),
         "chart": chart_columns(queue["throughput"]),
         "rate": f"{last['finished']} finished, {last['failed']} failed",
+        "workers": workers_text(queue["workers"]),
     }
+
+
+def workers_text(count: int) -> str:
+    return f"{count} worker{'' if count == 1 else 's'}"
+
+
+def worker_row(worker: dict, now: float) -> dict:
+    """One connected worker as the dashboard lists it."""
+    connected = datetime.fromisoformat(worker["connectedAt"]).timestamp()
+    return {**worker, "since": format_time(connected), "for": format_duration(now - connected),
+            "more": worker["holding"] - len(worker["held"])}
 
 
 def blank_row() -> dict:
@@ -78,6 +103,8 @@ def blank_row() -> dict:
             "counts": dict.fromkeys(STATES, 0),
             "oldestPendingAgeSeconds": None,
             "throughput": [],
+            "lastMinute": {"finished": 0, "failed": 0},
+            "workers": 0,
         }
     )
 

@@ -10,7 +10,9 @@ import json
 import logging
 import weakref
 
+from ..roster import roster
 from ..runtime import get_registry, get_store, run
+from .rates import LastMinute
 from .snapshot import take_snapshot
 
 log = logging.getLogger(__name__)
@@ -18,16 +20,22 @@ log = logging.getLogger(__name__)
 TICK_SECONDS = 1.0
 
 
-async def snapshot_text() -> str:
+async def snapshot_text(last_minute: LastMinute) -> str:
+    """The queues (with what ended in the last 60 s) and the connected workers, as one message."""
     registry = get_registry()
     await registry.arefresh()
-    snapshot = await run(take_snapshot, store=get_store(), configs=registry.queues())
+    store = get_store()
+    snapshot = await run(take_snapshot, store=store, configs=registry.queues(), workers=roster.everyone())
+    ended = last_minute.update(store.clock(), {queue["name"]: queue["throughput"] for queue in snapshot["queues"]})
+    for queue in snapshot["queues"]:
+        queue["lastMinute"] = ended[queue["name"]]
     return json.dumps({"type": "snapshot", **snapshot}, separators=(",", ":"))
 
 
 class SnapshotFeed:
-    def __init__(self, compute=snapshot_text, *, interval: float = TICK_SECONDS):
-        self.compute = compute
+    def __init__(self, compute=None, *, interval: float = TICK_SECONDS):
+        last_minute = LastMinute()  # kept between tickers: a page opened again finds the last minute's looks
+        self.compute = compute or (lambda: snapshot_text(last_minute))
         self.interval = interval
         self._listeners: set[asyncio.Queue] = set()
         self._ticker: asyncio.Task | None = None

@@ -6,6 +6,7 @@ app_name = "dashboard"
 
 urlpatterns = [
     path("", views.dashboard, name="index"),
+    path("new-queue", views.create_queue, name="create_queue"),
     path("queues/<str:name>/", views.queue_items, name="queue"),
     path("queues/<str:name>/pause", views.set_paused, {"paused": True}, name="pause"),
     path("queues/<str:name>/resume", views.set_paused, {"paused": False}, name="resume"),

@@ -7,6 +7,7 @@ from functools import wraps
 
 from django.contrib import admin, messages
 from django.contrib.auth.views import redirect_to_login
+from django.core.exceptions import ValidationError
 from django.http import HttpResponseRedirect
 from django.template.response import TemplateResponse
 from django.urls import reverse
@@ -17,14 +18,29 @@ from ..exceptions import ItemNotFound, NotEnded, NotHeld, StorageUnavailable
 from ..ids import iso
 from ..models import Queue
 from ..runtime import get_registry, get_store
-from ..services import save_queue
+from ..services import save_queue, validation_messages
 from ..store import ABSENT, Item, Release, single
 from .consumers import LIVE_PATH
-from .display import STATES, bar_segments, blank_row, error_shape, format_duration, format_time, queue_row
+from ..roster import roster
+from .display import (
+    STATES,
+    bar_segments,
+    blank_row,
+    error_shape,
+    failure_reason,
+    format_duration,
+    format_time,
+    queue_row,
+    worker_row,
+)
 from .snapshot import take_snapshot
 
 PAGE_SIZE = 50
+BLANK_WORKER = {"id": "", "name": "", "address": "", "queues": [], "holding": 0, "held": [], "for": "", "since": "",
+                "connectedAt": "", "more": 0}  # the markup the page's script copies for a worker connecting later
 LIST_STATES = {"scheduled": "Scheduled", "pending": "Pending", "processing": "Processing", "done": "Done"}
+DONE_FILTERS = {"": "All", "finished": "Finished", "failed": "Failed"}
+PREVIEW_CHARS = 80
 
 
 def staff_required(view):
@@ -57,11 +73,15 @@ def _find_queue(name: str) -> Queue | None:
 @require_safe
 @staff_required
 def dashboard(request):
-    snapshot = take_snapshot(get_store(), [queue.config() for queue in Queue.objects.all()])
+    store = get_store()
+    snapshot = take_snapshot(store, [queue.config() for queue in Queue.objects.all()], roster.everyone())
+    now = store.clock()
     context = {
         "title": "Queues",
         "rows": [queue_row(queue) for queue in snapshot["queues"]],
         "blank_row": blank_row(),
+        "workers": [worker_row(worker, now) for worker in snapshot["workers"]],
+        "blank_worker": BLANK_WORKER,
         "snapshot_at": snapshot["at"],
         "live_path": LIVE_PATH,
     }
@@ -81,8 +101,12 @@ def queue_items(request, name: str):
     if not page.isdigit() or int(page) < 1:
         return _not_found(request, "No such page", "Pages are numbered from 1.", queue)
     page = int(page)
+    status = request.GET.get("status", "") if state == "done" else ""
+    if status not in DONE_FILTERS:
+        return _not_found(request, "No such list", "Done items are listed as finished or failed.", queue)
     store = get_store()
-    total, items = store.list_items(queue=name, state=state, offset=(page - 1) * PAGE_SIZE, limit=PAGE_SIZE)
+    total, items = store.list_items(queue=name, state=state, offset=(page - 1) * PAGE_SIZE, limit=PAGE_SIZE,
+                                    status=status or None)
     counts = store.count_items(queue=name)
     now = store.clock()
     by_state = {key: getattr(counts, key) for key in STATES}
@@ -106,7 +130,14 @@ def queue_items(request, name: str):
             "lifetime": format_duration(queue.queue_seconds),
             "retention": format_duration(queue.retain_seconds),
             "oldest": format_duration(None if counts.oldest_pending_posted_at is None else now - counts.oldest_pending_posted_at),
-            "items": [_item_row(item, now) for item in items],
+            "items": [_item_row(item, now, queue) for item in items],
+            "status": status,
+            "filters": [
+                {"status": key, "label": label, "count": {"": by_list["done"], "finished": counts.finished,
+                                                          "failed": counts.failed}[key], "current": key == status}
+                for key, label in DONE_FILTERS.items()
+            ] if state == "done" else [],
+            "list_query": f"state={state}" + (f"&status={status}" if status else ""),
             "total": total,
             "page": page,
             "pages": max(1, math.ceil(total / PAGE_SIZE)),
@@ -134,7 +165,7 @@ def item_detail(request, name: str, item_id: str):
         {
             "title": f"Item {item.id}",
             "queue": queue,
-            "item": _item_row(item, now),
+            "item": _item_row(item, now, queue),
             "payload": _pretty(item.payload),
             "result": _pretty(item.result) if item.status == "finished" else None,
             "result_error": error_shape(item.result) if item.status == "finished" else None,
@@ -204,6 +235,43 @@ def cancel_item(request, name: str, item_id: str):
     return _back(request, reverse("dashboard:item", args=[name, item_id]))
 
 
+NEW_QUEUE_LABELS = {"name": "Name", "lease_seconds": "Lease", "queue_seconds": "Item life",
+                    "retain_seconds": "Kept for", "max_attempts": "Max attempts"}
+NEW_QUEUE_FIELDS = {  # form field -> the queue's setting; a blank field keeps the default
+    "lease_seconds": int, "queue_seconds": int, "retain_seconds": int, "max_attempts": int,
+}
+
+
+@require_POST
+@staff_required
+def create_queue(request):
+    """Make a queue with the settings given (the others keep their defaults); a name in use is refused."""
+    if not request.user.has_perm("queues.add_queue"):
+        messages.error(request, "You may not make queues: that takes the permission to add queues, in the admin.")
+        return HttpResponseRedirect(reverse("dashboard:index"))
+    name = request.POST.get("name", "").strip()
+    if Queue.objects.filter(name=name).exists():
+        messages.error(request, f"There is a queue named {name} already; change its settings in the admin.")
+        return HttpResponseRedirect(reverse("dashboard:index"))
+    try:
+        settings = {field: kind(request.POST[field]) for field, kind in NEW_QUEUE_FIELDS.items()
+                    if request.POST.get(field, "").strip()}
+    except ValueError:
+        messages.error(request, "The queue was not made: its settings must be whole numbers.")
+        return HttpResponseRedirect(reverse("dashboard:index"))
+    try:
+        save_queue(name, **settings)
+    except ValidationError as exc:
+        messages.error(request, f"The queue was not made: {validation_messages(exc, NEW_QUEUE_LABELS)}")
+        return HttpResponseRedirect(reverse("dashboard:index"))
+    except StorageUnavailable as exc:
+        messages.error(request, f"The queue was not made: {exc.message}")
+        return HttpResponseRedirect(reverse("dashboard:index"))
+    get_registry().invalidate()  # this process sees it at once; the others within a second
+    messages.success(request, f"Queue {name} is made: workers can claim from it, producers post to it.")
+    return HttpResponseRedirect(reverse("dashboard:queue", args=[name]))
+
+
 @require_POST
 @staff_required
 def set_paused(request, name: str, paused: bool):
@@ -237,13 +305,16 @@ def _back(request, default: str) -> HttpResponseRedirect:
     return HttpResponseRedirect(target if safe else default)
 
 
-def _item_row(item: Item, now: float) -> dict:
+def _item_row(item: Item, now: float, queue: Queue) -> dict:
     shape = error_shape(item.result) if item.status == "finished" else None
     return {
         "id": item.id,
         "status": item.status,
         # what failed it (the server's error), or that its result is an error the handler raised
         "outcome": item.error if item.status == "failed" else ("error" if shape else None),
+        "why": failure_reason(item.error, attempts=item.attempts, queue=queue) if item.status == "failed" else None,
+        "error_type": shape.get("type") if shape else None,
+        "preview": _preview(item.payload),
         "ended": item.terminal,
         "run_at": _moment(item.run_at),
         "due_in": None if item.run_at is None else format_duration(max(0.0, item.run_at - now)),
@@ -269,6 +340,11 @@ def _lease_left(item: Item, now: float) -> str | None:
         return None
     left = item.lease_expires_at - now
     return format_duration(math.ceil(left)) if left > 0 else "lapsed"
+
+
+def _preview(value) -> str:
+    text = json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+    return text if len(text) <= PREVIEW_CHARS else text[: PREVIEW_CHARS - 1] + "…"
 
 
 def _pretty(value) -> str:

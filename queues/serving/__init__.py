@@ -18,8 +18,10 @@ from django.core.management import call_command
 from django.core.management.base import CommandError
 
 from ..bridge import ChannelBridge
+from ..roster import RosterExchange, roster
 from ..runtime import get_registry, get_store
 from ..sweep import PROMOTE_SECONDS, Promoter, Sweeper
+from .banner import busy_port_hint
 from .limits import HEAD_TIMEOUT_SECONDS, MAX_HEAD_BYTES, SWEEP_STOP_SECONDS, max_connections, raise_descriptor_limit
 
 __all__ = ["DEFAULT_SERVER", "HEAD_TIMEOUT_SECONDS", "MAX_HEAD_BYTES", "SERVERS", "max_connections", "serve"]
@@ -64,11 +66,12 @@ def start_sweeper(stop: threading.Event) -> list[threading.Thread]:
 
 def background_tasks() -> Background:
     """What runs on the server's event loop beside the application. The in-memory layer reaches
-    no other process, so the bridge only runs on a shared (Redis) layer."""
+    no other process, so the bridge and the exchange of connected workers only run on a shared
+    (Redis) layer."""
     layer = get_channel_layer()
     if layer is None or isinstance(layer, InMemoryChannelLayer):
         return []
-    return [ChannelBridge(layer).run]
+    return [ChannelBridge(layer).run, RosterExchange(layer, roster).run]
 
 
 def serve(*, host: str, port: int, ready: Ready, server: str = DEFAULT_SERVER) -> None:
@@ -88,4 +91,4 @@ def serve(*, host: str, port: int, ready: Ready, server: str = DEFAULT_SERVER) -
         for thread in sweeping:
             thread.join(SWEEP_STOP_SECONDS)
     if not listening:
-        raise CommandError(f"cannot listen on {host}:{port}")
+        raise CommandError(f"cannot listen on {host}:{port}" + (f"; {busy_port_hint(port)}" if port else ""))

@@ -36,11 +36,16 @@ def count_items(layout: Layout, queue: str) -> Counts:
     )
 
 
-def list_items(items: ItemFiles, queue: str, state: str, *, offset: int, limit: int) -> tuple[int, list[Item]]:
-    """One page of a state's items, newest first, and the state's total."""
+def list_items(items: ItemFiles, queue: str, state: str, *, offset: int, limit: int,
+               status: str | None = None) -> tuple[int, list[Item]]:
+    """One page of a state's items, newest first, and the state's total; of done items, only the
+    `status` ("finished" or "failed") ones when it is given, told apart by the failed marks."""
     if state not in ITEM_STATES:
         raise ValueError(f"no state {state!r}")
     item_ids = _ids_in(items.layout, queue, state)
+    if state == "done" and status in ("finished", "failed"):
+        failed = set(files.names(items.layout.directory(queue, "failed")))
+        item_ids = [item_id for item_id in item_ids if (item_id in failed) == (status == "failed")]
     # the newest offset+limit names only: a full sort of a million names costs far more
     newest = heapq.nlargest(offset + limit, item_ids)[offset:]
     page = [items.read(queue, state, item_id) for item_id in newest if ids.is_valid_id(item_id)]

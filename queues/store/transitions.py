@@ -574,10 +574,11 @@ class Store:
         with self._storage_errors():
             return stats.count_items(self._items.layout, queue)
 
-    def list_items(self, *, queue: str, state: str, offset: int = 0, limit: int = 50) -> tuple[int, list[Item]]:
-        """One page of a state's items, newest first, and the state's total."""
+    def list_items(self, *, queue: str, state: str, offset: int = 0, limit: int = 50,
+                   status: str | None = None) -> tuple[int, list[Item]]:
+        """One page of a state's items, newest first, and the state's total (done: of `status` only, if given)."""
         with self._storage_errors():
-            return stats.list_items(self._items, queue, state, offset=offset, limit=limit)
+            return stats.list_items(self._items, queue, state, offset=offset, limit=limit, status=status)
 
     def throughput(self, *, queue: str, minutes: int = 15) -> list[tuple[float, int, int]]:
         """(minute start, finished, failed) for each of the last `minutes` minutes, oldest first."""

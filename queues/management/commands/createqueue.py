@@ -6,6 +6,7 @@ from django.core.exceptions import ValidationError
 from django.core.management.base import BaseCommand, CommandError
 
 from queues.exceptions import TaskhosterError
+from queues.models import Queue
 from queues.runtime import get_store
 from queues.services import SETTING_FIELDS, describe_queue, save_queue, validation_messages
 
@@ -44,6 +45,7 @@ class Command(BaseCommand):
         changes = {field: options[field] for field in SETTING_FIELDS if options.get(field) not in (None, UNSET)}
         if options["max_attempts"] is None:  # `none` given: no limit
             changes["max_attempts"] = None
+        existed = Queue.objects.filter(name=name).exists()
         try:
             queue = save_queue(name, **changes)
         except ValidationError as exc:
@@ -53,3 +55,5 @@ class Command(BaseCommand):
         config = queue.config()
         counts = get_store().count_items(queue=config.name)
         self.stdout.write(json.dumps(describe_queue(config, counts, time.time())))
+        # stdout stays the queue's JSON alone, for scripts; what happened is for the person
+        self.stderr.write(f"{'updated' if existed else 'created'} queue {config.name}")

@@ -1,20 +1,26 @@
 from django.core.exceptions import ValidationError
 from django.core.management.base import BaseCommand, CommandError
+from django.db import transaction
 
-from queues.models import ApiToken
+from queues.models import ApiToken, Queue
 from queues.services import validation_messages
 
 
 class Command(BaseCommand):
-    help = "Make an API token (both rights unless --produce or --work is given); prints only the token."
+    help = (
+        "Make an API token (both rights unless --produce or --work is given); prints only the token. "
+        "A name already taken is refused unless --replace is given."
+    )
 
     def add_arguments(self, parser):
         parser.add_argument("name")
         parser.add_argument("--queues", default="", help="Comma-separated queue names; none means every queue.")
         parser.add_argument("--produce", action="store_true", help="May post items and read them.")
         parser.add_argument("--work", action="store_true", help="May claim items and hand in results.")
+        parser.add_argument("--replace", action="store_true",
+                            help="Revoke the tokens of this name and make a new one in their place.")
 
-    def handle(self, *args, name, queues, produce, work, **options):
+    def handle(self, *args, name, queues, produce, work, replace, **options):
         both = not (produce or work)
         token = ApiToken(
             name=name,
@@ -27,5 +33,21 @@ class Command(BaseCommand):
             token.full_clean()
         except ValidationError as exc:
             raise CommandError(validation_messages(exc)) from exc
-        token.save()
+        existing = Queue.objects.filter(name__in=token.queues).values_list("name", flat=True)
+        unknown = sorted(set(token.queues) - set(existing))
+        if unknown:
+            raise CommandError(
+                f"no queue named {', '.join(unknown)}; make it first: python manage.py createqueue {unknown[0]}"
+            )
+        with transaction.atomic():
+            taken = ApiToken.objects.select_for_update().filter(name=name)
+            if taken.exists() and not replace:
+                raise CommandError(
+                    f"a token named {name!r} exists already; give --replace to revoke it and make a new one, "
+                    "or choose another name (python manage.py listtokens shows them)"
+                )
+            revoked, _ = taken.delete()
+            token.save()
+        if revoked:
+            self.stderr.write(f"revoked the old token {name!r}; requests with it are refused within a second")
         self.stdout.write(raw)

@@ -12,6 +12,11 @@
   const table = rows.closest("table");
   const empty = root.querySelector("[data-empty]");
   const rowTemplate = root.querySelector("[data-row-template]").content.querySelector("tr");
+  const workerRows = root.querySelector("[data-worker-rows]");
+  const workerTable = workerRows.closest("table");
+  const workersEmpty = root.querySelector("[data-workers-empty]");
+  const workersCount = root.querySelector("[data-workers-count]");
+  const workerTemplate = root.querySelector("[data-worker-template]").content.querySelector("tr");
   const status = document.querySelector("[data-live-status]");
   const statusText = document.querySelector("[data-live-text]");
   const liveAt = document.querySelector("[data-live-at]");
@@ -71,8 +76,59 @@
     field("bar").setAttribute("aria-label", STATES.map((state) => `${counts[state]} ${state}`).join(", "));
     field("oldest").textContent = formatDuration(queue.oldestPendingAgeSeconds);
     drawChart(field("chart"), queue.throughput);
-    const last = queue.throughput[queue.throughput.length - 1] || { finished: 0, failed: 0 };
-    field("rate").textContent = `${last.finished} finished, ${last.failed} failed`;
+    field("rate").textContent = `${queue.lastMinute.finished} finished, ${queue.lastMinute.failed} failed`;
+    field("workers").textContent = `${queue.workers} worker${queue.workers === 1 ? "" : "s"}`;
+  }
+
+  function itemLink(item) {
+    const link = document.createElement("a");
+    link.className = "th-id";
+    link.href = root.dataset.itemUrl
+      .replace("__queue__", encodeURIComponent(item.queue))
+      .replace("__item__", encodeURIComponent(item.id));
+    link.title = `${item.queue} ${item.id}`;
+    link.textContent = item.id.slice(-8);
+    return link;
+  }
+
+  function fillWorker(row, worker, now) {
+    const field = (name) => row.querySelector(`[data-field="${name}"]`);
+    row.dataset.worker = worker.id;
+    field("name").textContent = worker.name;
+    field("address").textContent = worker.address;
+    field("queues").textContent = worker.queues.join(", ");
+    const since = field("since");
+    since.dateTime = worker.connectedAt;
+    since.title = `since ${worker.connectedAt.slice(0, 19).replace("T", " ")} UTC`;
+    since.textContent = formatDuration((now - Date.parse(worker.connectedAt)) / 1000);
+    field("holding").textContent = worker.holding;
+    const links = worker.held.flatMap((item) => [itemLink(item), " "]);
+    const more = worker.holding - worker.held.length;
+    if (more > 0) {
+      const rest = document.createElement("span");
+      rest.className = "th-quiet";
+      rest.textContent = `and ${more} more`;
+      links.push(rest);
+    }
+    field("held").replaceChildren(...links);
+  }
+
+  function renderWorkers(workers, at) {
+    const now = Date.parse(at);
+    const shown = new Set();
+    workers.forEach((worker, index) => {
+      const row =
+        workerRows.querySelector(`tr[data-worker="${CSS.escape(worker.id)}"]`) || workerTemplate.cloneNode(true);
+      fillWorker(row, worker, now);
+      if (workerRows.children[index] !== row) workerRows.insertBefore(row, workerRows.children[index] || null);
+      shown.add(worker.id);
+    });
+    for (const row of [...workerRows.children]) {
+      if (!shown.has(row.dataset.worker)) row.remove();
+    }
+    workerTable.hidden = workers.length === 0;
+    workersEmpty.hidden = !workerTable.hidden;
+    workersCount.textContent = workers.length;
   }
 
   function render(snapshot) {
@@ -89,6 +145,7 @@
     }
     table.hidden = snapshot.queues.length === 0;
     empty.hidden = !table.hidden;
+    renderWorkers(snapshot.workers, snapshot.at);
     liveAt.dateTime = snapshot.at;
     liveAt.textContent = `${snapshot.at.slice(11, 19)} UTC`;
   }

@@ -1,0 +1,16 @@
+from django.core.management.base import BaseCommand, CommandError
+
+from queues.models import ApiToken
+
+
+class Command(BaseCommand):
+    help = "Revoke (delete) the API tokens of this name: requests with them are refused within a second."
+
+    def add_arguments(self, parser):
+        parser.add_argument("name")
+
+    def handle(self, *args, name, **options):
+        revoked, _ = ApiToken.objects.filter(name=name).delete()
+        if not revoked:
+            raise CommandError(f"no token named {name!r} (python manage.py listtokens shows them)")
+        self.stderr.write(f"revoked {revoked} token{'s' if revoked > 1 else ''} named {name!r}")

@@ -1,0 +1,116 @@
+"""What a person starting the server is told: where everything is and how to get in, a busy port,
+settings that would surprise them later, a host name outside ALLOWED_HOSTS; and that Django's
+`runserver` runs the sweep too."""
+
+import logging
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from queues.serving.banner import banner, start_warnings
+from serverproc import MANAGE, PROJECT_DIR, Deployment
+
+
+def test_the_banner_says_how_to_get_into_the_dashboard_and_where_the_api_is():
+    text = banner(host="127.0.0.1", port=8000)
+
+    assert "http://127.0.0.1:8000/ " in text and "python manage.py createsuperuser" in text
+    assert "http://127.0.0.1:8000/api/schema" in text and "/api/ " not in text
+    assert "ws://127.0.0.1:8000/work" in text
+    assert "ALLOWED_HOSTS" not in text
+
+
+def test_the_banner_for_every_address_shows_this_machines_name_and_the_allowed_hosts(settings):
+    settings.ALLOWED_HOSTS = ["localhost", "127.0.0.1"]
+    name = socket.gethostname()
+
+    text = banner(host="0.0.0.0", port=8003)
+
+    assert "0.0.0.0" not in text
+    assert f"http://{name}:8003/" in text
+    assert f"ALLOWED_HOSTS=localhost,127.0.0.1,{name}" in text
+
+
+@pytest.mark.parametrize(("environ", "warned"), [
+    ({"TASKHOSTER_DATA_DIR": "/srv/two"}, True),
+    ({"TASKHOSTER_DATA_DIR": "/srv/two", "DATABASE_URL": "sqlite:////srv/two.sqlite3"}, False),
+    ({"TASKHOSTER_DATA_DIR": "/srv/two", "TASKHOSTER_VAR_DIR": "/srv/two-var"}, False),
+    ({}, False),
+])
+def test_a_data_directory_without_its_own_database_is_warned_about(environ, warned):
+    warnings = start_warnings(environ)
+
+    assert bool(warnings) == warned
+    if warned:
+        assert "moves only the item files" in warnings[0] and "DATABASE_URL" in warnings[0]
+
+
+def test_a_busy_port_is_one_line_that_suggests_another(tmp_path):
+    deployment = Deployment(tmp_path)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run([sys.executable, str(MANAGE), "serve", "--port", str(port)], cwd=PROJECT_DIR,
+                              env=deployment.environ(), capture_output=True, text=True, timeout=60)
+
+    assert done.returncode == 1
+    assert f"cannot listen on 127.0.0.1:{port}; is another server using port {port}? " \
+           f"Choose another with --port {port + 1}" in done.stderr
+
+
+@pytest.mark.django_db
+def test_a_host_outside_allowed_hosts_is_logged_with_the_variable_to_set(client, settings, caplog):
+    settings.ALLOWED_HOSTS = ["localhost"]
+    with caplog.at_level(logging.ERROR, logger="django.security.DisallowedHost"):
+        answer = client.get("/admin/login/", HTTP_HOST="box.example:8003")
+
+    assert answer.status_code == 400
+    assert b"ALLOWED_HOSTS" in answer.content
+    assert "restart with ALLOWED_HOSTS=localhost,<that name>" in caplog.text
+
+
+def test_runserver_runs_the_sweep(tmp_path):
+    """An item of a queue with a one-second life fails `timeout` under runserver too."""
+    deployment = Deployment(tmp_path)
+    deployment.prepare(queues=[])
+    deployment.create_queue("short", "--queue-seconds", "1")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = subprocess.Popen([sys.executable, str(MANAGE), "runserver", "--noreload", f"127.0.0.1:{port}"],
+                              cwd=PROJECT_DIR, env=deployment.environ(), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+    try:
+        api = httpx.Client(base_url=f"http://127.0.0.1:{port}",
+                           headers={"Authorization": f"Bearer {deployment.token}"}, timeout=10)
+        item = _post_when_up(api)
+        status = item["status"]
+        deadline = time.monotonic() + 30
+        while status == "pending" and time.monotonic() < deadline:
+            time.sleep(0.2)
+            status = api.get(f"/api/queues/short/items/{item['id']}").json()["status"]
+        assert status == "failed"
+        assert api.get(f"/api/queues/short/items/{item['id']}").json()["error"] == "timeout"
+    finally:
+        server.terminate()
+        output, _ = server.communicate(timeout=30)
+    assert "sweep runs beside this development server" in output
+
+
+def _post_when_up(api: httpx.Client) -> dict:
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            answer = api.post("/api/queues/short/items", json={"payload": 1})
+        except httpx.TransportError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+            continue
+        assert answer.status_code == 201, answer.text
+        return answer.json()
