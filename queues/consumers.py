@@ -20,6 +20,7 @@ from django.http.request import split_domain_port, validate_host
 from . import ids
 from .events import hub
 from .exceptions import Forbidden, InvalidRequest, NotHeld, PayloadTooLarge, TaskhosterError, UnknownQueue, client_error
+from .metrics.workers import connected_workers
 from .protocol import (
     MAX_CLAIM,
     MAX_LEASE_SECONDS,
@@ -139,6 +140,7 @@ class WorkConsumer(AsyncWebsocketConsumer):
     async def let_go(self, *, reason: str) -> None:
         """Stop the waiting claims and re-queue every item this connection still holds (G8). A
         server that stops gives them back without counting the try against maxAttempts."""
+        connected_workers.gone(self)
         for task in self.waiting:
             task.cancel()
         await asyncio.gather(*self.waiting, return_exceptions=True)
@@ -203,6 +205,7 @@ class WorkConsumer(AsyncWebsocketConsumer):
         max_items = integer_field(frame, "max", low=1, high=MAX_CLAIM, default=1)
         wait = number_field(frame, "wait", low=0, high=MAX_SOCKET_CLAIM_WAIT_SECONDS, default=0)
         config = await self.work_queue(name)
+        connected_workers.claims_from(self, name)
         posted = hub.available_mark(name)
         items = await self.claim(config, max_items)
         if items or not wait:

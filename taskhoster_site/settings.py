@@ -9,10 +9,14 @@ import hashlib
 from pathlib import Path
 
 import environ
+from django.core.exceptions import ImproperlyConfigured
 
-from taskhoster_site import local_files
+from taskhoster_site import local_files, logs
 
 BASE_DIR = Path(__file__).resolve().parent.parent
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+LOG_FORMATS = ("text", "json")
 
 env = environ.Env()
 environ.Env.read_env(BASE_DIR / ".env", overwrite=False)
@@ -136,9 +140,10 @@ if env.str("REDIS_URL", default=""):
 else:
     CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
 
-LOGGING = {
-    "version": 1,
-    "disable_existing_loggers": False,
-    "handlers": {"console": {"class": "logging.StreamHandler"}},
-    "root": {"handlers": ["console"], "level": env.str("LOG_LEVEL", default="WARNING")},
-}
+TASKHOSTER_LOG_LEVEL = env.str("TASKHOSTER_LOG_LEVEL", default="INFO").upper()
+if TASKHOSTER_LOG_LEVEL not in LOG_LEVELS:
+    raise ImproperlyConfigured(f"Set TASKHOSTER_LOG_LEVEL to one of {', '.join(LOG_LEVELS)}, not {TASKHOSTER_LOG_LEVEL!r}.")
+TASKHOSTER_LOG_FORMAT = env.str("TASKHOSTER_LOG_FORMAT", default="text").lower()
+if TASKHOSTER_LOG_FORMAT not in LOG_FORMATS:
+    raise ImproperlyConfigured(f"Set TASKHOSTER_LOG_FORMAT to text or json, not {TASKHOSTER_LOG_FORMAT!r}.")
+LOGGING = logs.logging_config(TASKHOSTER_LOG_LEVEL, TASKHOSTER_LOG_FORMAT)

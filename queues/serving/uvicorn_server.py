@@ -104,7 +104,8 @@ def run(
         ws_ping_timeout=PING_TIMEOUT,
         ws_per_message_deflate=False,  # frames are small JSON: compressing costs more than it saves
         lifespan="off",
-        access_log=False,
+        access_log=False,  # ours is queues/access.py
+        log_config=None,  # our LOGGING's handler and format (JSON too), not uvicorn's own
         log_level="warning",
         timeout_keep_alive=KEEP_ALIVE_SECONDS,
         timeout_graceful_shutdown=STOP_GRACE_SECONDS,
