@@ -7,7 +7,7 @@ import logging
 import time
 
 from .api.handlers import router as api_router
-from .metrics.families import HTTP_REQUESTS
+from .metrics.families import HTTP_IN_FLIGHT, HTTP_REQUESTS
 
 log = logging.getLogger("taskhoster.access")
 
@@ -55,9 +55,11 @@ class AccessLog:
                 status = message["status"]
             await send(message)
 
+        HTTP_IN_FLIGHT.inc()
         try:
             await self.application(scope, receive, sending)
         finally:
+            HTTP_IN_FLIGHT.dec()
             took = time.perf_counter() - started
             method = scope["method"] if scope["method"] in METHODS else "other"
             outcome = str(status) if status else "no answer"  # the client went away first

@@ -46,11 +46,35 @@ SECRET_KEY = _secret_key()
 DEBUG = env.bool("DEBUG", default=False)
 ALLOWED_HOSTS = env.list("ALLOWED_HOSTS", default=["localhost", "127.0.0.1"])
 
+
+def _proxy_ssl_header() -> tuple[str, str] | None:
+    """SECURE_PROXY_SSL_HEADER as `HTTP_X_FORWARDED_PROTO,https`: the header (as Django names
+    it in META) and the value that says the client's connection to the proxy was HTTPS."""
+    raw = env.str("SECURE_PROXY_SSL_HEADER", default="")
+    if not raw:
+        return None
+    name, _, value = (part.strip() for part in raw.partition(","))
+    if not name.startswith("HTTP_") or not value:
+        raise ImproperlyConfigured(
+            "Set SECURE_PROXY_SSL_HEADER to the header's META name and its HTTPS value, e.g. HTTP_X_FORWARDED_PROTO,https"
+        )
+    return name, value
+
+
+# HTTPS behind a proxy (docs/deployment.md): Django's own settings, by their own names
+CSRF_TRUSTED_ORIGINS = env.list("CSRF_TRUSTED_ORIGINS", default=[])
+SECURE_PROXY_SSL_HEADER = _proxy_ssl_header()
+SESSION_COOKIE_SECURE = env.bool("SESSION_COOKIE_SECURE", default=False)
+CSRF_COOKIE_SECURE = env.bool("CSRF_COOKIE_SECURE", default=False)
+SECURE_HSTS_SECONDS = env.int("SECURE_HSTS_SECONDS", default=0)
+
 TASKHOSTER_DATA_DIR = Path(env.str("TASKHOSTER_DATA_DIR", default=str(VAR_DIR / "data")))
 TASKHOSTER_SWEEP_INTERVAL = env.float("TASKHOSTER_SWEEP_INTERVAL", default=1.0)
 TASKHOSTER_FSYNC = env.bool("TASKHOSTER_FSYNC", default=True)
 TASKHOSTER_MAX_PAYLOAD_BYTES = env.int("TASKHOSTER_MAX_PAYLOAD_BYTES", default=1 << 20)
 TASKHOSTER_MAX_BODY_BYTES = env.int("TASKHOSTER_MAX_BODY_BYTES", default=16 << 20)
+# on SIGTERM, how long requests in flight may go on before they are cut (a second signal: none)
+TASKHOSTER_STOP_GRACE_SECONDS = env.float("TASKHOSTER_STOP_GRACE_SECONDS", default=3.0)
 # unset: 64 MiB, but at most 5% of the data directory's file system (queues/store/transitions.py)
 TASKHOSTER_MIN_FREE_BYTES = env.int("TASKHOSTER_MIN_FREE_BYTES", default=None)
 

@@ -4,7 +4,7 @@ application in the process never meets them twice), with the process's own CPU a
 The counters and histograms count what this process did: Prometheus sums them over processes.
 The queue gauges are read from the shared data directory, so every process gives the same."""
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, disable_created_metrics
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, disable_created_metrics
 
 # `_created` series double every counter's lines and tell a scraper nothing it needs here
 disable_created_metrics()
@@ -52,6 +52,10 @@ HTTP_REQUESTS = Histogram(
     "and status, from the request's start to its answer's last byte.",
     ["method", "route", "status"],
     buckets=REQUEST_SECONDS,
+    registry=REGISTRY,
+)
+HTTP_IN_FLIGHT = Gauge(
+    "taskhoster_http_requests_in_flight", "HTTP requests this process is answering now (long polls included).",
     registry=REGISTRY,
 )
 

@@ -21,6 +21,7 @@ from ..bridge import ChannelBridge
 from ..runtime import get_registry, get_store
 from ..sweep import PROMOTE_SECONDS, Promoter, Sweeper
 from .limits import HEAD_TIMEOUT_SECONDS, MAX_HEAD_BYTES, SWEEP_STOP_SECONDS, max_connections, raise_descriptor_limit
+from .stopping import AnswerWhenCut
 
 __all__ = ["DEFAULT_SERVER", "HEAD_TIMEOUT_SECONDS", "MAX_HEAD_BYTES", "SERVERS", "max_connections", "serve"]
 
@@ -81,7 +82,7 @@ def serve(*, host: str, port: int, ready: Ready, server: str = DEFAULT_SERVER) -
 
     try:
         listening = run(
-            application, host=host, port=port, ready=ready, background=background_tasks(), max_connections=connections
+            AnswerWhenCut(application), host=host, port=port, ready=ready, background=background_tasks(), max_connections=connections
         )
     finally:
         stop_sweeping.set()
