@@ -6,7 +6,7 @@ logger, at INFO. Query strings are never logged: a worker's token may be in one.
 import logging
 import time
 
-from .api.handlers import router as api_router
+from .api.app import ROUTE_KEY
 from .metrics.families import HTTP_IN_FLIGHT, HTTP_REQUESTS
 
 log = logging.getLogger("taskhoster.access")
@@ -16,16 +16,26 @@ METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"}
 SITE_ROUTES = (("/admin/", "admin"), ("/static/", "static"), ("/metrics", "/metrics"))
 
 
-def route_of(method: str, path: str) -> str:
-    """A label that names the call, not the path: an API call's pattern, else a part of the site
-    (so item ids and queue names never multiply the series)."""
+def route_of(scope) -> str:
+    """A label that names the call, not the path: an API call's pattern (left in the scope by the
+    API), else a part of the site, so item ids and queue names never multiply the series."""
+    path = scope["path"]
     if path.startswith("/api/") or path == "/healthz":
-        found = api_router.resolve(method, path).route
-        return found.pattern if found is not None else "unmatched"
+        return scope.get(ROUTE_KEY, "unmatched")
     for prefix, route in SITE_ROUTES:
         if path.startswith(prefix):
             return route
     return "dashboard"
+
+
+_timers: dict[tuple[str, str, str], object] = {}  # labels -> the histogram's child: labels() costs more
+
+
+def _observe(method: str, route: str, status: str, seconds: float) -> None:
+    timer = _timers.get((method, route, status))
+    if timer is None:
+        timer = _timers[(method, route, status)] = HTTP_REQUESTS.labels(method, route, status)
+    timer.observe(seconds)
 
 
 def _client(scope) -> str:
@@ -63,7 +73,7 @@ class AccessLog:
             took = time.perf_counter() - started
             method = scope["method"] if scope["method"] in METHODS else "other"
             outcome = str(status) if status else "no answer"  # the client went away first
-            HTTP_REQUESTS.labels(method, route_of(method, scope["path"]), outcome).observe(took)
+            _observe(method, route_of(scope), outcome, took)
             if log.isEnabledFor(logging.INFO):
                 log.info(
                     "%s %s %s %.1f ms from %s", method, scope["path"], outcome, took * 1000, _client(scope),

@@ -13,7 +13,7 @@ from channels.testing import WebsocketCommunicator
 from api_support import api, bearer, queues, tokens  # noqa: F401  (fixtures)
 from serverproc import MANAGE, PROJECT_DIR, Deployment
 from taskhoster_site.asgi import application
-from taskhoster_site.logs import JsonFormatter, logging_config
+from taskhoster_site.logs import JsonFormatter, TextFormatter, logging_config
 
 ACCESS = "taskhoster.access"
 
@@ -74,7 +74,16 @@ def test_the_level_and_format_make_the_logging_setting():
     config = logging_config("WARNING", "json")
     assert config["root"]["level"] == "WARNING"
     assert config["formatters"]["chosen"]["()"].endswith("JsonFormatter")
-    assert "format" in logging_config("INFO", "text")["formatters"]["chosen"]
+    assert logging_config("INFO", "text")["formatters"]["chosen"]["()"].endswith("TextFormatter")
+
+
+def test_a_text_line_has_the_utc_time_to_the_millisecond_the_level_and_the_logger():
+    record = logging.getLogger("x").makeRecord("x", logging.INFO, __file__, 1, "hello %s", ("there",), None)
+    formatter = TextFormatter()
+    record.created = 1_796_000_000.25
+    assert formatter.format(record) == "2026-11-30 00:53:20.250Z INFO x: hello there"
+    record.created += 61.5  # another second: its own date and time, not the one made before
+    assert formatter.format(record).startswith("2026-11-30 00:54:21.750Z ")
 
 
 @pytest.mark.parametrize(("name", "value"), [("TASKHOSTER_LOG_LEVEL", "LOUD"), ("TASKHOSTER_LOG_FORMAT", "xml")])

@@ -325,7 +325,6 @@ async def test_the_queue_gauges_list_the_disk_no_more_often_than_their_age_allow
         return real(names)
 
     monkeypatch.setattr(gauges, "count_queues", counting)
-    monkeypatch.setattr(gauges.count_queues, "__name__", "count_queues")
     clock = StepClock()
     figures = QueueFigures(min_age=1.0, clock=clock)
     await asyncio.gather(*(figures.refresh(["jobs"]) for _ in range(5)))  # scrapes at once share a listing
