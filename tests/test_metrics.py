@@ -11,14 +11,14 @@ from django.core.management import call_command
 from django.test import Client
 from prometheus_client.parser import text_string_to_metric_families
 
-from api_support import api, bearer, disk_snapshot, make_token, queues, tokens  # noqa: F401  (fixtures)
+from api_support import api, bearer, disk_snapshot, queues, tokens  # noqa: F401  (fixtures)
 from queues.metrics import gauges
 from queues.metrics.families import REGISTRY
 from queues.metrics.gauges import QueueFigures
 from queues.metrics.transitions import TransitionCounter
 from queues.models import ApiToken
 from queues.runtime import get_registry, get_store
-from queues.store import NewItem, QueueConfig, Release, Store
+from queues.store import QueueConfig, Release, Store
 from storekit import finish, post_batch, release
 from taskhoster_site.asgi import application
 from test_api_auth import EVERY_CALL, _ids, call
