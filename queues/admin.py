@@ -141,15 +141,15 @@ class ApiTokenForm(forms.ModelForm):
 
     class Meta:
         model = ApiToken
-        fields = ("name", "can_produce", "can_work", "queues")
+        fields = ("name", "can_produce", "can_work", "can_read_metrics", "queues")
 
 
 @admin.register(ApiToken)
 class ApiTokenAdmin(admin.ModelAdmin):
     form = ApiTokenForm
-    list_display = ("name", "can_produce", "can_work", "queue_list", "created_at", "last_used_at")
+    list_display = ("name", "can_produce", "can_work", "can_read_metrics", "queue_list", "created_at", "last_used_at")
     readonly_fields = ("created_at", "last_used_at")
-    fields = ("name", "can_produce", "can_work", "queues", "created_at", "last_used_at")
+    fields = ("name", "can_produce", "can_work", "can_read_metrics", "queues", "created_at", "last_used_at")
 
     @admin.display(description="queues")
     def queue_list(self, obj):

@@ -85,6 +85,9 @@ class ApiToken(models.Model):
     token_hash = models.CharField(max_length=64, unique=True, editable=False)
     can_produce = models.BooleanField(default=True, help_text="May post items and read them.")
     can_work = models.BooleanField(default=True, help_text="May claim items and hand in results.")
+    can_read_metrics = models.BooleanField(
+        default=False, help_text="May read /metrics (alone, it reads nothing else)."
+    )
     queues = models.JSONField(
         default=list, blank=True, help_text="Queue names this token may use; empty means every queue."
     )
@@ -106,8 +109,8 @@ class ApiToken(models.Model):
                 queue_name_validator(name)
             except ValidationError:
                 raise ValidationError({"queues": f"{name!r} is not a valid queue name."}) from None
-        if not (self.can_produce or self.can_work):
-            raise ValidationError("A token needs the right to produce, to work, or both.")
+        if not (self.can_produce or self.can_work or self.can_read_metrics):
+            raise ValidationError("A token needs at least one right: to produce, to work or to read metrics.")
 
     def set_new_value(self) -> str:
         """Give the token a fresh value; only its hash is kept, so show the value now."""

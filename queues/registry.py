@@ -30,9 +30,15 @@ class TokenGrant:
     can_produce: bool
     can_work: bool
     queues: frozenset[str]  # empty: every queue
+    can_read_metrics: bool = False
+
+    @property
+    def uses_queues(self) -> bool:
+        """Whether it may use the API at all (a metrics-only token reads /metrics and nothing else)."""
+        return self.can_produce or self.can_work
 
     def may_see(self, queue: str) -> bool:
-        return not self.queues or queue in self.queues
+        return self.uses_queues and (not self.queues or queue in self.queues)
 
     def may(self, right: str, queue: str) -> bool:
         allowed = self.can_produce if right == "produce" else self.can_work
@@ -64,7 +70,9 @@ class Registry:
                 ApiToken.objects.filter(id__in=used).update(last_used_at=timezone.now())
             queues = {q.name: q.config() for q in Queue.objects.all()}
             tokens = {
-                t.token_hash: TokenGrant(t.id, t.name, t.can_produce, t.can_work, frozenset(t.queues or ()))
+                t.token_hash: TokenGrant(
+                    t.id, t.name, t.can_produce, t.can_work, frozenset(t.queues or ()), t.can_read_metrics
+                )
                 for t in ApiToken.objects.all()
             }
         finally:

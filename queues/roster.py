@@ -12,6 +12,7 @@ import logging
 import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -71,6 +72,12 @@ class Roster:
         with self._lock:
             connections = list(self._local.values())
         return [connection.describe() for connection in connections]
+
+    def by_queue(self) -> Counter:
+        """This process's sockets by the queues each has claimed from (a socket is not bound to
+        one queue: it counts for every queue it asked for items)."""
+        with self._lock:
+            return Counter(queue for connection in self._local.values() for queue in connection.queues)
 
     def heard(self, process: str, workers: list[dict]) -> None:
         with self._lock:

@@ -17,13 +17,16 @@ from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 
 from .events import hub
+from .metrics.transitions import transition_counter
 from .registry import Registry
 from .store import Store
 
 STORE_THREADS = 4  # enough concurrent posts and results to share a flush; more only contend for the GIL
 SCAN_THREADS = 2
 ON_LOOP = frozenset({"read_item", "claim_items"})
-SCANS = frozenset({"count_items", "list_items", "throughput", "check_health", "sweep_queue", "take_snapshot"})
+SCANS = frozenset(
+    {"count_items", "list_items", "throughput", "check_health", "sweep_queue", "take_snapshot", "count_queues"}
+)
 
 
 @lru_cache(maxsize=1)
@@ -37,6 +40,7 @@ def get_store() -> Store:
         max_payload_bytes=settings.TASKHOSTER_MAX_PAYLOAD_BYTES,
         min_free_bytes=settings.TASKHOSTER_MIN_FREE_BYTES,
         events=hub,
+        observer=transition_counter,
     )
 
 

@@ -3,8 +3,8 @@
 - `/api/...` and `/healthz`: the HTTP API, a lean ASGI app of its own (no Django middleware on
   the hot path: each sync middleware costs a thread hop per request).
 - websockets: `/work` for workers (Channels).
-- everything else: Django (admin, dashboard, login), with its static files served here so `serve`
-  needs no web server in front, even with DEBUG off.
+- everything else: Django (admin, dashboard, login, /metrics), with its static files served here
+  so `serve` needs no web server in front, even with DEBUG off.
 """
 
 import os
@@ -21,6 +21,7 @@ from channels.security.websocket import AllowedHostsOriginValidator, WebsocketDe
 from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler  # noqa: E402
 from django.urls import path, re_path  # noqa: E402
 
+from queues.access import AccessLog  # noqa: E402
 from queues.api import application as api_application  # noqa: E402
 from queues.consumers import WorkConsumer  # noqa: E402
 from queues.dashboard.consumers import LIVE_PATH, DashboardConsumer  # noqa: E402
@@ -54,9 +55,12 @@ class PathDispatcher:
         return await self.default(scope, receive, send)
 
 
-application = ProtocolTypeRouter(
-    {
-        "http": PathDispatcher(http_routes, ASGIStaticFilesHandler(django_application)),
-        "websocket": URLRouter(websocket_urlpatterns),
-    }
+# every request and socket session timed and logged once (queues/access.py)
+application = AccessLog(
+    ProtocolTypeRouter(
+        {
+            "http": PathDispatcher(http_routes, ASGIStaticFilesHandler(django_application)),
+            "websocket": URLRouter(websocket_urlpatterns),
+        }
+    )
 )

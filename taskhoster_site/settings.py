@@ -10,10 +10,14 @@ import hashlib
 from pathlib import Path
 
 import environ
+from django.core.exceptions import ImproperlyConfigured
 
-from taskhoster_site import local_files
+from taskhoster_site import local_files, logs
 
 BASE_DIR = Path(__file__).resolve().parent.parent
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+LOG_FORMATS = ("text", "json")
 
 env = environ.Env()
 environ.Env.read_env(BASE_DIR / ".env", overwrite=False)
@@ -43,11 +47,35 @@ SECRET_KEY = _secret_key()
 DEBUG = env.bool("DEBUG", default=False)
 ALLOWED_HOSTS = env.list("ALLOWED_HOSTS", default=["localhost", "127.0.0.1"])
 
+
+def _proxy_ssl_header() -> tuple[str, str] | None:
+    """SECURE_PROXY_SSL_HEADER as `HTTP_X_FORWARDED_PROTO,https`: the header (as Django names
+    it in META) and the value that says the client's connection to the proxy was HTTPS."""
+    raw = env.str("SECURE_PROXY_SSL_HEADER", default="")
+    if not raw:
+        return None
+    name, _, value = (part.strip() for part in raw.partition(","))
+    if not name.startswith("HTTP_") or not value:
+        raise ImproperlyConfigured(
+            "Set SECURE_PROXY_SSL_HEADER to the header's META name and its HTTPS value, e.g. HTTP_X_FORWARDED_PROTO,https"
+        )
+    return name, value
+
+
+# HTTPS behind a proxy (docs/deployment.md): Django's own settings, by their own names
+CSRF_TRUSTED_ORIGINS = env.list("CSRF_TRUSTED_ORIGINS", default=[])
+SECURE_PROXY_SSL_HEADER = _proxy_ssl_header()
+SESSION_COOKIE_SECURE = env.bool("SESSION_COOKIE_SECURE", default=False)
+CSRF_COOKIE_SECURE = env.bool("CSRF_COOKIE_SECURE", default=False)
+SECURE_HSTS_SECONDS = env.int("SECURE_HSTS_SECONDS", default=0)
+
 TASKHOSTER_DATA_DIR = Path(env.str("TASKHOSTER_DATA_DIR", default=str(VAR_DIR / "data")))
 TASKHOSTER_SWEEP_INTERVAL = env.float("TASKHOSTER_SWEEP_INTERVAL", default=1.0)
 TASKHOSTER_FSYNC = env.bool("TASKHOSTER_FSYNC", default=True)
 TASKHOSTER_MAX_PAYLOAD_BYTES = env.int("TASKHOSTER_MAX_PAYLOAD_BYTES", default=1 << 20)
 TASKHOSTER_MAX_BODY_BYTES = env.int("TASKHOSTER_MAX_BODY_BYTES", default=16 << 20)
+# on SIGTERM, how long requests in flight may go on before they are cut (a second signal: none)
+TASKHOSTER_STOP_GRACE_SECONDS = env.float("TASKHOSTER_STOP_GRACE_SECONDS", default=3.0)
 # unset: 64 MiB, but at most 5% of the data directory's file system (queues/store/transitions.py)
 TASKHOSTER_MIN_FREE_BYTES = env.int("TASKHOSTER_MIN_FREE_BYTES", default=None)
 
@@ -139,9 +167,10 @@ if env.str("REDIS_URL", default=""):
 else:
     CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
 
-LOGGING = {
-    "version": 1,
-    "disable_existing_loggers": False,
-    "handlers": {"console": {"class": "logging.StreamHandler"}},
-    "root": {"handlers": ["console"], "level": env.str("LOG_LEVEL", default="WARNING")},
-}
+TASKHOSTER_LOG_LEVEL = env.str("TASKHOSTER_LOG_LEVEL", default="INFO").upper()
+if TASKHOSTER_LOG_LEVEL not in LOG_LEVELS:
+    raise ImproperlyConfigured(f"Set TASKHOSTER_LOG_LEVEL to one of {', '.join(LOG_LEVELS)}, not {TASKHOSTER_LOG_LEVEL!r}.")
+TASKHOSTER_LOG_FORMAT = env.str("TASKHOSTER_LOG_FORMAT", default="text").lower()
+if TASKHOSTER_LOG_FORMAT not in LOG_FORMATS:
+    raise ImproperlyConfigured(f"Set TASKHOSTER_LOG_FORMAT to text or json, not {TASKHOSTER_LOG_FORMAT!r}.")
+LOGGING = logs.logging_config(TASKHOSTER_LOG_LEVEL, TASKHOSTER_LOG_FORMAT)

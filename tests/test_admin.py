@@ -143,7 +143,7 @@ def test_a_new_token_value_is_shown_once_and_only_its_hash_is_kept(admin_client)
 def test_a_token_without_any_right_is_refused(admin_client):
     response = admin_client.post("/admin/queues/apitoken/add/", {"name": "useless", "queues": ""})
     assert response.status_code == 200
-    assert b"A token needs the right to produce, to work, or both." in response.content
+    assert b"A token needs at least one right: to produce, to work or to read metrics." in response.content
     assert not ApiToken.objects.exists()
 
 
@@ -158,3 +158,12 @@ def test_the_admin_carries_the_taskhoster_name_and_a_dashboard_link(admin_client
     html = admin_client.get("/admin/").content.decode()
     assert '<div id="site-name"><a href="/">Taskhoster</a></div>' in html
     assert '<a href="/">Dashboard</a>' in html
+
+
+def test_the_admin_makes_a_token_that_only_reads_metrics(admin_client):
+    response = admin_client.post(
+        "/admin/queues/apitoken/add/", {"name": "scraper", "can_read_metrics": "on", "queues": ""}, follow=True
+    )
+    assert response.status_code == 200
+    token = ApiToken.objects.get(name="scraper")
+    assert (token.can_produce, token.can_work, token.can_read_metrics) == (False, False, True)

@@ -15,6 +15,7 @@ from .router import Router
 log = logging.getLogger(__name__)
 
 ASK_FOR_TOKEN = ((b"www-authenticate", b"Bearer"),)
+ROUTE_KEY = "taskhoster.route"  # the scope key where the call's pattern is left
 
 
 class ApiApplication:
@@ -41,6 +42,7 @@ class ApiApplication:
                 return answer_for(MethodNotAllowed(f"{request.method} is not allowed here"), ((b"allow", allow),))
             if found.route is None:
                 raise ItemNotFound("no API call has this path")
+            request.scope[ROUTE_KEY] = found.route.pattern  # for the access log and its metric
             return await found.route.handler(request, **found.params)
         except ClientGone:
             raise

@@ -2,7 +2,7 @@
 so no request makes a database call.
 
 Order of checks, the same for every call: no or unknown token -> 401; a token without the call's
-right, or whose queue list leaves this queue out -> 403 (whether or not the queue exists, so a
+right (a metrics-only token has none), or whose queue list leaves this queue out -> 403 (whether or not the queue exists, so a
 scoped token learns nothing about other queues); a queue the token may use that does not exist,
 or whose name breaks the rule -> 404 unknown_queue.
 """
@@ -28,6 +28,8 @@ async def authenticate(request: Request) -> TokenGrant:
     grant = await get_registry().afind_token(bearer_token(request))
     if grant is None:
         raise Unauthorized("give a valid API token as 'Authorization: Bearer <token>'")
+    if not grant.uses_queues:
+        raise Forbidden("this token may only read /metrics")
     return grant
 
 

@@ -12,9 +12,6 @@ from django.conf import settings
 PING_INTERVAL = 10
 PING_TIMEOUT = 20
 SWEEP_STOP_SECONDS = 10
-# On a stop, requests in flight (a long-polling read included) get this long to finish before
-# they are cancelled; worker sockets are closed at once, which re-queues what they hold.
-STOP_GRACE_SECONDS = 3
 # Above the usual clients' own idle limit (httpx: 5 s), so the server is not the side that closes
 # an idle keep-alive connection just as the client sends a request on it.
 KEEP_ALIVE_SECONDS = 75
@@ -67,6 +64,12 @@ def raise_descriptor_limit() -> int:
 def max_connections(descriptor_limit: int) -> int:
     """How many connections may be open at once under `descriptor_limit`."""
     return max(MIN_CONNECTIONS, (descriptor_limit - RESERVED_DESCRIPTORS) // DESCRIPTORS_PER_CONNECTION)
+
+
+def stop_grace_seconds() -> float:
+    """On a stop, requests in flight (a long-polling read included) get this long to finish
+    before they are cancelled; worker sockets are closed at once, which re-queues what they hold."""
+    return settings.TASKHOSTER_STOP_GRACE_SECONDS
 
 
 def max_frame_bytes() -> int:

@@ -15,10 +15,10 @@ from .limits import (
     MAX_HEAD_BYTES,
     PING_INTERVAL,
     PING_TIMEOUT,
-    STOP_GRACE_SECONDS,
     TOO_MANY_CONNECTIONS,
     finish_leftover_tasks,
     max_frame_bytes,
+    stop_grace_seconds,
 )
 
 
@@ -92,6 +92,13 @@ def run(
             if self.started:
                 ready(self.servers[0].sockets[0].getsockname()[1])
 
+        def handle_exit(self, sig, frame):
+            # uvicorn forces a stop only on a second SIGINT: a second signal of either kind
+            # (systemd, a supervisor, a second Ctrl-C) ends the grace at once
+            if self.should_exit:
+                self.force_exit = True
+            super().handle_exit(sig, frame)
+
     config = uvicorn.Config(
         application,
         host=host,
@@ -104,10 +111,11 @@ def run(
         ws_ping_timeout=PING_TIMEOUT,
         ws_per_message_deflate=False,  # frames are small JSON: compressing costs more than it saves
         lifespan="off",
-        access_log=False,
+        access_log=False,  # ours is queues/access.py
+        log_config=None,  # our LOGGING's handler and format (JSON too), not uvicorn's own
         log_level="warning",
         timeout_keep_alive=KEEP_ALIVE_SECONDS,
-        timeout_graceful_shutdown=STOP_GRACE_SECONDS,
+        timeout_graceful_shutdown=stop_grace_seconds(),
     )
     server = Server(config)
 

@@ -56,6 +56,33 @@ class NoEvents:
         pass
 
 
+class Observer(Protocol):
+    """Told of every transition made in this process, once it is on disk (for metrics): items
+    posted (retries included), claimed, given back (`reason` as in `Release`) and ended."""
+
+    def items_posted(self, queue: str, items: Sequence[Item]) -> None: ...
+
+    def items_claimed(self, queue: str, items: Sequence[Item]) -> None: ...
+
+    def item_requeued(self, queue: str, item: Item, reason: str) -> None: ...
+
+    def items_ended(self, queue: str, items: Sequence[Item]) -> None: ...
+
+
+class NoObserver:
+    def items_posted(self, queue: str, items: Sequence[Item]) -> None:
+        pass
+
+    def items_claimed(self, queue: str, items: Sequence[Item]) -> None:
+        pass
+
+    def item_requeued(self, queue: str, item: Item, reason: str) -> None:
+        pass
+
+    def items_ended(self, queue: str, items: Sequence[Item]) -> None:
+        pass
+
+
 class ItemFiles:
     def __init__(
         self,
@@ -65,11 +92,13 @@ class ItemFiles:
         clock: Callable[[], float],
         events: Events,
         index_capacity: int,
+        observer: Observer | None = None,
     ):
         self.layout = layout
         self.fsync = fsync
         self.clock = clock
         self.events = events
+        self.observer = observer or NoObserver()
         self.index_capacity = index_capacity
         self.claim_xattrs = hasattr(os, "setxattr")  # False once the file system refuses them
         self.tallies = Tallies(layout)
@@ -206,6 +235,7 @@ class ItemFiles:
         disk's (were the flush to fail, the item is taken back out, from a claim too)."""
         if len(items) == 1 and items[0].status == "pending" and items[0].key is None:
             self._publish_one(queue, items[0])
+            self.observer.items_posted(queue, items)
             return
         written: list[str] = []
         made: list[str] = []  # key links and schedule marks, removed if the items do not show
@@ -237,6 +267,7 @@ class ItemFiles:
                 self._take_back(queue, item.status, item.id)
             raise
         self._claimable(queue, [item.id for item in items if item.status == "pending"])
+        self.observer.items_posted(queue, items)
 
     def _claimable(self, queue: str, item_ids: list[str]) -> None:
         if item_ids:
@@ -379,6 +410,7 @@ class ItemFiles:
                 log.warning("could not remove the old file of %s in %s", done.id, queue, exc_info=True)
             self.tallies.count(queue, done.status, done.finished_at)
         self.events.items_terminal(queue, [done.id for _, done in moved])
+        self.observer.items_ended(queue, [done for _, done in moved])
 
     def end(self, queue: str, state: str, done: Item) -> bool:
         """Move an item from `state`/ to done/ with this content, durably; False if done/ had it

@@ -31,7 +31,9 @@ def give_back(
         items.end(queue, "processing", done)
         return done
     if delay <= 0 and error is ABSENT:
-        return items.move(queue, item, "processing", "pending")
+        back = items.move(queue, item, "processing", "pending")
+        items.observer.item_requeued(queue, back, reason)
+        return back
     target = "scheduled" if delay > 0 else "pending"
     back = replace(item, status=target, lease_expires_at=None, claim_token=None, run_at=now + delay if delay > 0 else item.run_at)
     if target == "scheduled":
@@ -39,4 +41,6 @@ def give_back(
         due = min(back.run_at, back.posted_at + config.queue_seconds)
         mark = items.schedule.mark(queue, back.id, due, at_run_at=due == back.run_at)
         items.flush(*items.schedule.directories(queue, [mark]))
-    return items.move_rewritten(queue, back, "processing", target)
+    moved = items.move_rewritten(queue, back, "processing", target)
+    items.observer.item_requeued(queue, moved, reason)
+    return moved

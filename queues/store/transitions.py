@@ -34,7 +34,7 @@ from ..exceptions import (
     UnknownQueue,
 )
 from . import files, stats, sweep
-from .items import Events, ItemFiles, NoEvents, done_directories
+from .items import Events, ItemFiles, NoEvents, Observer, done_directories
 from .keys import check_key, same_payload
 from .layout import Layout, is_valid_queue_name
 from .pending import CAPACITY
@@ -91,13 +91,15 @@ class Store:
         clock: Callable[[], float] = time.time,
         index_capacity: int = CAPACITY,
         events: Events | None = None,
+        observer: Observer | None = None,
     ):
         self.data_dir = Path(data_dir)
         self.max_payload_bytes = max_payload_bytes
         self.min_free_bytes = min_free_bytes  # None: the default reserve
         self.clock = clock
         self._items = ItemFiles(
-            Layout(data_dir), fsync=fsync, clock=clock, events=events or NoEvents(), index_capacity=index_capacity
+            Layout(data_dir), fsync=fsync, clock=clock, events=events or NoEvents(), index_capacity=index_capacity,
+            observer=observer,
         )
         self._ids = ids.IdMaker()
 
@@ -248,6 +250,8 @@ class Store:
             if not claimed:
                 raise
             log.warning("a claim on %s stopped early", queue, exc_info=True)
+        if claimed:
+            self._items.observer.items_claimed(queue, claimed)
         return claimed
 
     def _claim_one(self, config: QueueConfig, item_id: str) -> Item | None:

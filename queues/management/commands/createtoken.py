@@ -8,8 +8,8 @@ from queues.services import validation_messages
 
 class Command(BaseCommand):
     help = (
-        "Make an API token (both rights unless --produce or --work is given); prints only the token. "
-        "A name already taken is refused unless --replace is given."
+        "Make an API token (to produce and work unless --produce, --work or --metrics is given); prints only "
+        "the token. A name already taken is refused unless --replace is given."
     )
 
     def add_arguments(self, parser):
@@ -17,15 +17,17 @@ class Command(BaseCommand):
         parser.add_argument("--queues", default="", help="Comma-separated queue names; none means every queue.")
         parser.add_argument("--produce", action="store_true", help="May post items and read them.")
         parser.add_argument("--work", action="store_true", help="May claim items and hand in results.")
+        parser.add_argument("--metrics", action="store_true", help="May read /metrics (alone: nothing else).")
         parser.add_argument("--replace", action="store_true",
                             help="Revoke the tokens of this name and make a new one in their place.")
 
-    def handle(self, *args, name, queues, produce, work, replace, **options):
-        both = not (produce or work)
+    def handle(self, *args, name, queues, produce, work, metrics, replace, **options):
+        both = not (produce or work or metrics)
         token = ApiToken(
             name=name,
             can_produce=produce or both,
             can_work=work or both,
+            can_read_metrics=metrics,
             queues=[q.strip() for q in queues.split(",") if q.strip()],
         )
         raw = token.set_new_value()

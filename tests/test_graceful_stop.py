@@ -1,0 +1,118 @@
+"""SIGTERM to a real `serve`: it stops taking connections, lets a request in flight end within
+the grace period, re-queues what worker sockets hold (never ending an item for its attempts),
+and exits 0; a second signal ends the grace at once."""
+
+import json
+import signal
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from websockets.sync.client import connect
+
+from queues.store import Store
+from serverproc import Deployment
+
+WAIT = 30.0  # for what must happen well within it
+
+
+def refused(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+    except ConnectionRefusedError:
+        return True
+    return False
+
+
+def wait_until(condition, what: str) -> None:
+    deadline = time.monotonic() + WAIT
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+class InFlight(threading.Thread):
+    """A request that waits on the server (a long-polling read), answered in a thread."""
+
+    def __init__(self, url: str, token: str):
+        super().__init__(daemon=True)
+        self.url, self.token = url, token
+        self.answer: httpx.Response | Exception | None = None
+
+    def run(self):
+        try:
+            self.answer = httpx.get(self.url, headers={"Authorization": f"Bearer {self.token}"}, timeout=WAIT * 2)
+        except Exception as exc:  # the outcome the test looks at
+            self.answer = exc
+
+
+@pytest.fixture
+def deployment(tmp_path) -> Deployment:
+    deployment = Deployment(tmp_path, extra_env={"TASKHOSTER_STOP_GRACE_SECONDS": "60"})
+    deployment.prepare(queues=["waiting"])
+    deployment.create_queue("once", "--max-attempts", "1", "--lease-seconds", "300")
+    deployment.scraper = deployment.create_token("scraper", "--metrics")
+    return deployment
+
+
+def post(server, token: str, queue: str) -> str:
+    answer = httpx.post(f"{server.url}/api/queues/{queue}/items", json={"payload": 1},
+                        headers={"Authorization": f"Bearer {token}"})
+    assert answer.status_code == 201
+    return answer.json()["id"]
+
+
+def in_flight(server, scraper: str) -> float:
+    text = httpx.get(f"{server.url}/metrics", headers={"Authorization": f"Bearer {scraper}"}).text
+    return next(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                if s.name == "taskhoster_http_requests_in_flight")
+
+
+def long_poll(server, token: str, item_id: str, wait: float, scraper: str) -> InFlight:
+    """A read waiting `wait` seconds, begun: the server is answering it (and the scrape)."""
+    request = InFlight(f"{server.url}/api/queues/waiting/items/{item_id}?wait={wait}", token)
+    request.start()
+    wait_until(lambda: in_flight(server, scraper) >= 2, "the long poll never reached the server")
+    return request
+
+
+def test_sigterm_refuses_new_connections_lets_a_request_end_and_requeues_without_ending_an_item(deployment):
+    token = deployment.token
+    with deployment.server() as server:
+        held_id = post(server, token, "once")
+        waiting_id = post(server, token, "waiting")
+        with connect(server.ws_url, additional_headers={"Authorization": f"Bearer {token}"}) as worker:
+            worker.send(json.dumps({"op": "claim", "queue": "once"}))
+            [claimed] = json.loads(worker.recv(timeout=WAIT))["items"]
+            assert (claimed["id"], claimed["attempts"], claimed["maxAttempts"]) == (held_id, 1, 1)
+            request = long_poll(server, token, waiting_id, wait=6, scraper=deployment.scraper)
+
+            server.process.send_signal(signal.SIGTERM)
+            wait_until(lambda: refused(server.port), "the server still took connections after SIGTERM")
+            assert server.process.poll() is None  # still serving the request in flight
+            request.join(WAIT)
+            assert isinstance(request.answer, httpx.Response), request.answer
+            assert (request.answer.status_code, request.answer.json()["status"]) == (200, "pending")
+            assert server.process.wait(WAIT) == 0
+    # the worker's item is pending again, its one attempt not spent on the stop
+    item = Store(deployment.data_dir, fsync=False).read_item(queue="once", item_id=held_id)
+    assert (item.status, item.attempts) == ("pending", 1)
+    assert "Stopped." in server.output()
+
+
+def test_a_second_signal_ends_the_grace_at_once(deployment):
+    token = deployment.token
+    with deployment.server() as server:
+        waiting_id = post(server, token, "waiting")
+        request = long_poll(server, token, waiting_id, wait=60, scraper=deployment.scraper)  # as long as the grace
+        server.process.send_signal(signal.SIGTERM)
+        wait_until(lambda: refused(server.port), "the server still took connections after SIGTERM")
+        assert server.process.poll() is None  # in its grace: the read may go on for a minute
+        server.process.send_signal(signal.SIGTERM)
+        assert server.process.wait(WAIT) == 0  # well before the grace or the read would end
+        request.join(WAIT)
+        assert request.answer.status_code == 503  # cut, and told to try again
+        assert request.answer.json()["error"] == "busy" and request.answer.headers["retry-after"] == "1"

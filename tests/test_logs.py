@@ -1,0 +1,116 @@
+"""The log: one line per HTTP request and per socket session, with its duration and outcome;
+TASKHOSTER_LOG_FORMAT=json writes one JSON object per line, TASKHOSTER_LOG_LEVEL filters."""
+
+import json
+import logging
+import subprocess
+import sys
+
+import httpx
+import pytest
+from channels.testing import WebsocketCommunicator
+
+from api_support import api, bearer, queues, tokens  # noqa: F401  (fixtures)
+from serverproc import MANAGE, PROJECT_DIR, Deployment
+from taskhoster_site.asgi import application
+from taskhoster_site.logs import JsonFormatter, TextFormatter, logging_config
+
+ACCESS = "taskhoster.access"
+
+
+@pytest.fixture
+def access(caplog):
+    caplog.set_level(logging.INFO, logger=ACCESS)
+    return lambda: [r for r in caplog.records if r.name == ACCESS]
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_each_http_request_is_one_line_with_its_status_and_duration(api, queues, tokens, access):
+    answer = await api.post("/api/queues/jobs/items", json={"payload": 1}, headers=bearer(tokens["producer"]))
+    await api.get(f"/api/queues/jobs/items/{answer.json()['id']}?wait=0", headers=bearer(tokens["producer"]))
+    await api.get("/api/queues/jobs", headers=bearer("th_" + "x" * 32))
+    lines = access()
+    assert [(r.fields["method"], r.fields["status"]) for r in lines] == [("POST", 201), ("GET", 200), ("GET", 401)]
+    assert all(r.fields["durationMs"] >= 0 and r.fields["kind"] == "http" for r in lines)
+    assert lines[1].fields["path"] == f"/api/queues/jobs/items/{answer.json()['id']}"  # no query string
+    assert lines[0].getMessage().startswith("POST /api/queues/jobs/items 201 ")
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_each_socket_session_is_one_line_when_it_ends_and_the_token_is_not_in_it(queues, tokens, access):
+    token = tokens["worker"]
+    ws = WebsocketCommunicator(application, f"/work?token={token}")
+    assert (await ws.connect())[0]
+    await ws.send_json_to({"op": "claim", "queue": "jobs"})
+    await ws.receive_json_from(timeout=3)
+    await ws.disconnect(code=1000)
+    refused = WebsocketCommunicator(application, "/nowhere")
+    assert not (await refused.connect())[0]
+    await refused.disconnect()
+    first, second = access()
+    assert first.fields | {"durationMs": 0, "client": "-"} == {
+        "kind": "websocket", "path": "/work", "outcome": "closed by the client (1000)", "accepted": True,
+        "closedBy": "client", "code": 1000, "framesIn": 1, "framesOut": 1, "durationMs": 0, "client": "-",
+    }
+    assert second.fields["outcome"] == "refused"
+    assert all(token not in r.getMessage() and token not in json.dumps(r.fields) for r in (first, second))
+
+
+def test_the_json_format_is_one_object_per_line_with_the_record_fields():
+    try:
+        raise ValueError("two\nlines")
+    except ValueError:
+        record = logging.getLogger("x").makeRecord(
+            "x", logging.ERROR, __file__, 1, "failed %s", ("here",), sys.exc_info(), extra={"fields": {"status": 500}}
+        )
+    line = JsonFormatter().format(record)
+    assert "\n" not in line
+    entry = json.loads(line)
+    assert (entry["level"], entry["logger"], entry["message"], entry["status"]) == ("ERROR", "x", "failed here", 500)
+    assert entry["time"].endswith("Z") and "ValueError: two\nlines" in entry["exception"]
+
+
+def test_the_level_and_format_make_the_logging_setting():
+    config = logging_config("WARNING", "json")
+    assert config["root"]["level"] == "WARNING"
+    assert config["formatters"]["chosen"]["()"].endswith("JsonFormatter")
+    assert logging_config("INFO", "text")["formatters"]["chosen"]["()"].endswith("TextFormatter")
+
+
+def test_a_text_line_has_the_utc_time_to_the_millisecond_the_level_and_the_logger():
+    record = logging.getLogger("x").makeRecord("x", logging.INFO, __file__, 1, "hello %s", ("there",), None)
+    formatter = TextFormatter()
+    record.created = 1_796_000_000.25
+    assert formatter.format(record) == "2026-11-30 00:53:20.250Z INFO x: hello there"
+    record.created += 61.5  # another second: its own date and time, not the one made before
+    assert formatter.format(record).startswith("2026-11-30 00:54:21.750Z ")
+
+
+@pytest.mark.parametrize(("name", "value"), [("TASKHOSTER_LOG_LEVEL", "LOUD"), ("TASKHOSTER_LOG_FORMAT", "xml")])
+def test_a_bad_log_setting_stops_the_start_with_what_to_set(tmp_path, name, value):
+    env = Deployment(tmp_path).environ() | {name: value}
+    done = subprocess.run([sys.executable, str(MANAGE), "check"], cwd=PROJECT_DIR, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0
+    assert name in done.stderr and value in done.stderr
+
+
+def test_a_served_process_logs_json_lines_at_the_level_asked(tmp_path):
+    deployment = Deployment(tmp_path, extra_env={"TASKHOSTER_LOG_FORMAT": "json"})
+    deployment.prepare(queues=["jobs"])
+    with deployment.server() as server:
+        posted = httpx.post(f"{server.url}/api/queues/jobs/items", json={"payload": 1},
+                            headers={"Authorization": f"Bearer {deployment.token}"})
+        assert posted.status_code == 201
+        assert server.stop() == 0
+    entries = [json.loads(line) for line in server.output().splitlines() if line.startswith("{")]
+    posts = [e for e in entries if e.get("kind") == "http" and e["method"] == "POST"]
+    assert [(e["path"], e["status"], e["logger"], e["level"]) for e in posts] == [
+        ("/api/queues/jobs/items", 201, ACCESS, "INFO")
+    ]
+    quiet = Deployment(tmp_path / "quiet", extra_env={"TASKHOSTER_LOG_LEVEL": "WARNING"})
+    quiet.prepare(queues=["jobs"])
+    with quiet.server() as server:
+        httpx.get(f"{server.url}/api/queues/jobs", headers={"Authorization": f"Bearer {quiet.token}"})
+        assert server.stop() == 0
+    assert "taskhoster.access" not in server.output() and "/api/queues/jobs" not in server.output()
