@@ -21,7 +21,7 @@ from .metrics.transitions import transition_counter
 from .registry import Registry
 from .store import Store
 
-STORE_THREADS = 4  # enough concurrent posts and results to share a flush; more only contend for the GIL
+STORE_THREADS = 2  # enough concurrent posts and results to share a flush; more only contend for the GIL
 SCAN_THREADS = 2
 ON_LOOP = frozenset({"read_item", "claim_items"})
 SCANS = frozenset(
