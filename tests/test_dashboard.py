@@ -284,6 +284,14 @@ def test_item_page_shows_payload_and_result_as_pretty_json(staff_client, queue):
     assert response.context["item"]["attempts"] == 1
 
 
+def test_item_page_shows_the_idempotency_key_an_item_was_posted_with(staff_client, queue):
+    [keyed] = get_store().post_items(config=queue.config(), items=[NewItem({"n": 1}, key="order <7>")])
+    [plain] = post("thumbs", {"n": 2})
+    html = staff_client.get(f"/queues/thumbs/items/{keyed.item.id}/").content.decode()
+    assert "Idempotency key" in html and escape("order <7>") in html
+    assert "Idempotency key" not in staff_client.get(f"/queues/thumbs/items/{plain}/").content.decode()
+
+
 def test_item_page_of_a_failed_item_shows_the_error(staff_client, db, clocked_store, clock):
     config = save_queue("thumbs", queue_seconds=5).config()
     [item] = post_batch(clocked_store, "thumbs", [None])

@@ -319,6 +319,7 @@ def _item_row(item: Item, now: float, queue: Queue) -> dict:
         "run_at": _moment(item.run_at),
         "due_in": None if item.run_at is None else format_duration(max(0.0, item.run_at - now)),
         "retry_of": item.retry_of,
+        "key": item.key,
         "retried_as": item.retried_as,
         "attempts": item.attempts,
         "posted": _moment(item.posted_at),
