@@ -219,11 +219,8 @@ def flush_files(paths: list[str]) -> None:
 
 def _start_writeback(path: str) -> None:
     """Start writing the file out, without waiting (pages being written stay cached)."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
+    with opened(path) as fd:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 @contextmanager
@@ -244,12 +241,9 @@ def flush_open(fd: int, path: str) -> None:
 
 
 def _fsync(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
+    with opened(path) as fd:
         _before("fsync", path)
         os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def flush_directory(path: str) -> None:
