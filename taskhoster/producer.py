@@ -4,6 +4,7 @@ is the same for asyncio. Both speak the server's Producer API over HTTP and noth
 
 import asyncio
 import json
+import random
 import secrets
 import time
 from collections.abc import Iterable, Iterator
@@ -21,6 +22,7 @@ MAX_BATCH_BYTES = 8 << 20  # half the server's default body limit: a batch of bi
 MAX_WAIT_SECONDS = 60  # the longest the server holds a GET ?wait
 TERMINAL = ("finished", "failed")
 FIRST_RETRY_PAUSE = 0.2  # seconds before a post that failed in transport is sent again; doubled each time
+LONGEST_RETRY_PAUSE = 5.0
 
 
 def _queue_path(queue: str) -> str:
@@ -114,7 +116,8 @@ def _check_retries(post_retries: int) -> int:
 
 
 def _retry_pause(retry: int) -> float:
-    return FIRST_RETRY_PAUSE * 2**retry
+    """Half to all of the doubling pause: producers that lost the server together come back apart."""
+    return min(LONGEST_RETRY_PAUSE, FIRST_RETRY_PAUSE * 2**retry) * random.uniform(0.5, 1.0)
 
 
 def _read(answer: Answer, url: str) -> Any:
@@ -184,9 +187,10 @@ class Producer:
     its connections open between calls. Use it as a context manager, or call close().
 
     `post_retries`: how many times a post that failed in transport (the connection failed, or
-    the answer never came) is sent again, after 0.2 s, 0.4 s, ... Every post then carries an
-    idempotency key, one made for it where none is given, so a post the server did store is
-    answered with that item the second time, never made twice."""
+    the answer never came) is sent again, after about 0.2 s, 0.4 s, ... (at most 5 s). Every post
+    then carries an idempotency key, one made for it where none is given, so a post the server did
+    store is answered with that item the second time, never made twice. (A keyed post costs the
+    server one more link and directory flush.)"""
 
     def __init__(self, url: str | None = None, token: str | None = None, *, timeout: float = 30.0,
                  post_retries: int = 0):

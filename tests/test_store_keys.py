@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from storekit import finish
 
-from queues.exceptions import InvalidRequest, KeyConflict
-from queues.store import NewItem, QueueConfig, Store
+from queues.exceptions import InvalidRequest, KeyConflict, StorageUnavailable
+from queues.store import NewItem, QueueConfig, Store, files
 from queues.store.keys import digest
 
 Q = "jobs"
@@ -269,3 +269,26 @@ def test_a_stale_key_left_by_a_dead_poster_is_also_freed_by_the_next_post(tmp_pa
         [posted] = store.post_items(config=CONFIG, items=[NewItem({"n": 0}, key="the-key-0")])
         assert len(items_on_disk(store)) == 1
         assert items_on_disk(store) == [f"{posted.item.id}.json"]
+
+
+def test_a_keyed_item_finished_elsewhere_while_its_post_failed_keeps_its_key(tmp_path):
+    """Its flush failed, so the post is refused; but another process had claimed and finished the
+    item meanwhile, and done wins: a retry of the post must find that item, not make a second."""
+    store, other = Store(tmp_path, fsync=True), Store(tmp_path, fsync=False)
+
+    def finish_elsewhere_then_fail(call, path):
+        if call == "fsync" and path.endswith("/pending") and not finished:
+            [claimed] = other.claim_items(config=CONFIG)
+            finished.append(finish(other, CONFIG, claimed.id, "done elsewhere").accepted)
+            raise OSError(5, "Input/output error", path)
+
+    finished = []
+    files.fault = finish_elsewhere_then_fail
+    try:
+        with pytest.raises(StorageUnavailable):
+            keyed(store, ("p", "k"))
+    finally:
+        files.fault = None
+    assert finished == [True]
+    [again] = keyed(store, ("p", "k"))
+    assert again.duplicate and (again.item.status, again.item.result) == ("finished", "done elsewhere")

@@ -238,33 +238,35 @@ class ItemFiles:
             self.observer.items_posted(queue, items)
             return
         written: list[str] = []
-        made: list[str] = []  # key links and schedule marks, removed if the items do not show
+        marks: list[str] = []
+        keys: dict[str, str] = {}  # item id -> its key's link
         try:
             for item in items:
                 written.append(self.write_aside(queue, item))
                 if item.key is not None:
-                    made.append(self.keys.link(queue, item.key, written[-1]))
+                    keys[item.id] = self.keys.link(queue, item.key, written[-1])
             self.flush_files(written)
             marks = [self.schedule.mark(queue, item.id, item.run_at, at_run_at=True) for item in items if item.status == "scheduled"]
-            made += marks
-            if marks:
-                self.flush(*self.schedule.directories(queue, marks))
+            ahead = self.schedule.directories(queue, marks) if marks else []
+            self.flush(*ahead, *([self.layout.directory(queue, "keys")] if keys else []))
         except BaseException:
-            for path in written + made:
+            for path in written + marks + list(keys.values()):
                 files.remove_quietly(path)
             raise
         moved: list[Item] = []
-        keyed = ("keys",) if any(item.key is not None for item in items) else ()
         try:
             for item, path in zip(items, written):
                 files.move(path, self.layout.item(queue, item.status, item.id))
                 moved.append(item)
-            self.flush_states(queue, *sorted({item.status for item in items}), *keyed)
+            self.flush_states(queue, *sorted({item.status for item in items}))
         except BaseException:
-            for path in written[len(moved) :] + made:
+            for path in written[len(moved) :] + marks:
                 files.remove_quietly(path)
             for item in moved:
                 self._take_back(queue, item.status, item.id)
+            for item_id, link in keys.items():  # unless its item lives on: done by another process
+                if not files.exists(self.layout.item(queue, "done", item_id)):
+                    files.remove_quietly(link)
             raise
         self._claimable(queue, [item.id for item in items if item.status == "pending"])
         self.observer.items_posted(queue, items)
@@ -321,6 +323,9 @@ class ItemFiles:
         a crash after it leaves two copies, and the sweep keeps the one in `target`/."""
         tmp = self.write_aside(queue, item)
         try:
+            # on disk before the old copy goes: a new name is not covered by the file system's
+            # own care for a rename over an existing file
+            self.flush_files([tmp])
             files.move(tmp, self.layout.item(queue, target, item.id))
         except BaseException:
             files.remove_quietly(tmp)
@@ -333,19 +338,17 @@ class ItemFiles:
             self.index(queue).push([item.id])
         return item
 
-    def rewrite(self, queue: str, state: str, item: Item, *, mtime: float | None = None, durably: bool = False) -> None:
+    def rewrite(self, queue: str, state: str, item: Item, *, mtime: float | None = None) -> None:
         """Replace the item's file in `state`/ with this content (under its lock), whole: the old
-        or the new one is there at every instant. `durably`: flushed before it returns."""
+        or the new one is there at every instant; flushed before it returns."""
         tmp = self.write_aside(queue, item, mtime=mtime)
         try:
-            if durably:
-                self.flush_files([tmp])
+            self.flush_files([tmp])
             files.move(tmp, self.layout.item(queue, state, item.id))
         except BaseException:
             files.remove_quietly(tmp)
             raise
-        if durably:
-            self.flush_states(queue, state)
+        self.flush_states(queue, state)
 
     def record_claim(self, queue: str, item: Item) -> None:
         """Record a processing item's claim (under its lock): the lease as the file's mtime, for

@@ -2,8 +2,8 @@
 processes sharing the data directory.
 
 A key is a file in keys/, named for the key's SHA-256: a hard link of its item's file as posted
-(one link more than a plain post), so it says which item holds the key, and with what payload,
-without a lookup table or a scan. Posts of one key take turns under the key's lock (a stripe of
+(one link more than a plain post), so it says which item holds the key without a lookup table or
+a scan. (That first file stays on disk as long as the key, until retention deletes the item.) Posts of one key take turns under the key's lock (a stripe of
 locks/keys, like the item locks), held from the look-up until the new item is in place.
 
 A key whose item is gone is stale: its item was deleted by retention (which then removes the key
@@ -16,7 +16,7 @@ import hashlib
 import json
 import logging
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from typing import Any
 
@@ -24,7 +24,7 @@ from .. import ids
 from ..exceptions import InvalidRequest
 from . import files
 from .layout import Layout
-from .locks import QueueLocks, stripe_of
+from .locks import KEY_STRIPES, QueueLocks
 
 MAX_KEY_LENGTH = 200
 
@@ -64,14 +64,14 @@ class Keys:
         self._setup_lock = threading.Lock()
 
     @contextmanager
-    def hold(self, queue: str, keys: Iterable[str]) -> Iterator[None]:
+    def hold(self, queue: str, keys: list[str]) -> Iterator[None]:
         """Hold the locks of these keys, taken in one order everywhere so two batches never wait
         for each other."""
-        digests = sorted({digest(key) for key in keys}, key=stripe_of)
-        if not digests:
+        if not keys:
             yield
             return
         locks = self._locks_of(queue)
+        digests = sorted({digest(key) for key in keys}, key=locks.stripe_of)
         with ExitStack() as stack:
             for name in digests:
                 stack.enter_context(locks.hold(name))
@@ -101,12 +101,6 @@ class Keys:
         """Forget a stale key. Call under the key's lock."""
         files.remove(self.layout.key(queue, digest(key)))
 
-    def release(self, queue: str, key: str, item_id: str) -> None:
-        """Free the key if that item holds it (the item was deleted)."""
-        with self.hold(queue, [key]):
-            if self.holder(queue, key) == item_id:
-                self.remove(queue, key)
-
     def any(self, queue: str) -> bool:
         """Whether the queue has a key at all (reads one entry, however many there are)."""
         return files.any_entry(self.layout.directory(queue, "keys"))
@@ -123,7 +117,8 @@ class Keys:
             with self._setup_lock:
                 locks = self._locks.get(queue)
                 if locks is None:
-                    locks = self._locks[queue] = QueueLocks.for_file(self.layout.key_lock_file(queue))
+                    locks = QueueLocks.for_file(self.layout.key_lock_file(queue), stripes=KEY_STRIPES)
+                    self._locks[queue] = locks
         return locks
 
 

@@ -1,11 +1,12 @@
-"""Item locks: every transition of one item runs under that item's lock, so transitions from any
-number of threads and processes sharing the data directory take turns per item.
+"""Locks across threads and processes sharing the data directory: every transition of one item
+runs under that item's lock, and every post of one idempotency key under that key's lock.
 
-Each queue has one lock file; an item maps to one byte of it (striped by id). A thread lock per
-stripe excludes the threads of this process (POSIX record locks are per process), a record lock
-on the byte excludes other processes, and the kernel drops it if the process dies. A thread may
-take a stripe it holds again (an item's transition that makes another item, such as a retry):
-the record lock is taken by the outermost hold and dropped by it.
+Each queue has a lock file for its items and one for its keys; a name maps to one byte of it (a
+stripe). A thread lock per stripe excludes the threads of this process (POSIX record locks are per
+process), a record lock on the byte excludes other processes, and the kernel drops it if the
+process dies. A thread may take a stripe it holds again (an item's transition that makes another
+item, such as a retry): the record lock is taken by the outermost hold and dropped by it. Key
+locks are always taken before item locks, and several keys' in stripe order.
 """
 
 import errno
@@ -18,7 +19,8 @@ from contextlib import contextmanager
 
 from . import files
 
-STRIPES = 256
+ITEM_STRIPES = 256  # from an id's last two hex digits: the same in every version of the server
+KEY_STRIPES = 1 << 16  # a batch's keys take one each, so posts of other keys rarely wait on them
 
 
 class QueueLocks:
@@ -29,14 +31,16 @@ class QueueLocks:
     _open: dict[tuple[int, int], "QueueLocks"] = {}  # by (device, inode) of the lock file
     _open_lock = threading.Lock()
 
-    def __init__(self, fd: int, key: tuple[int, int]):
+    def __init__(self, fd: int, key: tuple[int, int], stripes: int):
         self._fd = fd
         self._key = key
-        self._threads = [threading.RLock() for _ in range(STRIPES)]
-        self._depth = [0] * STRIPES  # holds of each stripe by the thread holding it
+        self.stripes = stripes
+        self._threads: dict[int, threading.RLock] = {}  # made as stripes are first taken
+        self._depth: dict[int, int] = {}  # holds of each stripe by the thread holding it
+        self._made = threading.Lock()
 
     @classmethod
-    def for_file(cls, path: str) -> "QueueLocks":
+    def for_file(cls, path: str, *, stripes: int = ITEM_STRIPES) -> "QueueLocks":
         with cls._open_lock:
             info = files.status(path)
             known = info and cls._open.get((info.st_dev, info.st_ino))
@@ -48,17 +52,24 @@ class QueueLocks:
             key = (info.st_dev, info.st_ino)
             if key in cls._open:
                 return cls._open[key]
-            locks = cls._open[key] = cls(fd, key)
+            locks = cls._open[key] = cls(fd, key, stripes)
             return locks
+
+    def stripe_of(self, name: str) -> int:
+        """The stripe of an item id or a key digest (names ending in hex digits)."""
+        return int(name[-4:] if self.stripes > 256 else name[-2:], 16) % self.stripes
 
     @contextmanager
     def hold(self, name: str) -> Iterator[None]:
-        """Hold the lock of an item id or a key digest (names that end in two hex digits)."""
-        stripe = stripe_of(name)
-        with self._threads[stripe]:
-            if not self._depth[stripe]:
+        stripe = self.stripe_of(name)
+        thread_lock = self._threads.get(stripe)
+        if thread_lock is None:
+            with self._made:
+                thread_lock = self._threads.setdefault(stripe, threading.RLock())
+        with thread_lock:
+            if not self._depth.get(stripe):
                 _lock_byte(self._fd, stripe)
-            self._depth[stripe] += 1
+            self._depth[stripe] = self._depth.get(stripe, 0) + 1
             try:
                 yield
             finally:
@@ -72,16 +83,12 @@ class QueueLocks:
                 os.close(self._fd)
 
 
-def stripe_of(name: str) -> int:
-    """The stripe a name's lock is: the same in every process, unlike hash()."""
-    return int(name[-2:], 16) % STRIPES
-
-
 def _lock_byte(fd: int, offset: int) -> None:
     """Wait for the record lock on one byte. The kernel's deadlock check counts record locks per
     process, so threads of two processes each holding one stripe and waiting for the other's are
-    refused with EDEADLK; a thread holds a second stripe only for an item made a moment ago, that
-nobody else waits for, so it is no deadlock: try again."""
+    refused with EDEADLK; locks are taken in one order everywhere (keys, in stripe order, before
+    items; a second item stripe only for an item made a moment ago, that nobody waits for), so it
+    is no deadlock: try again."""
     while True:
         try:
             fcntl.lockf(fd, fcntl.LOCK_EX, 1, offset)

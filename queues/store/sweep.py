@@ -209,7 +209,6 @@ def _free_key_of_leftover(items: ItemFiles, queue: str, path: str) -> None:
             items.keys.remove(queue, key)
 
 
-
 _ID_FILE_SHAPE = "xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx.json"
 _HEX_AS_X = str.maketrans("0123456789abcdef", "x" * 16)
 

@@ -453,7 +453,7 @@ class Store:
             else:
                 (new_id,) = self._ids.new_ids(1, self.clock())
                 # recorded first, so a crash before the new item is made cannot make two of them
-                self._items.rewrite(queue, "done", replace(old, retried_as=new_id), mtime=old.finished_at, durably=True)
+                self._items.rewrite(queue, "done", replace(old, retried_as=new_id), mtime=old.finished_at)
             self.ensure_queue(queue)
             new = Item(id=new_id, queue=queue, status="pending", payload=old.payload, retry_of=item_id)
             self._items.publish(queue, [new])
