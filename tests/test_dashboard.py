@@ -269,6 +269,21 @@ def test_done_list_shows_finished_and_failed_items(staff_client, db, clocked_sto
 # ---- one item --------------------------------------------------------------------------------------
 
 
+def test_the_dashboard_counts_error_results_apart_from_other_finished_items(staff_client, queue):
+    store = get_store()
+    post("thumbs", 1, 2)
+    first, second = store.claim_items(config=queue.config(), max_items=2)
+    finish(store, queue.config(), first.id, {"error": {"type": "ValueError", "message": "bad image"}})
+    finish(store, queue.config(), second.id, "ok")
+    response = staff_client.get("/")
+    [row] = [row for row in response.context["rows"] if row["name"] == "thumbs"]
+    assert row["errors"] == 1
+    assert "of the finished, 1 with an error result" in response.content.decode()
+    snapshot = take_snapshot(store, [queue.config()])
+    assert snapshot["queues"][0]["errorResults"] == 1
+    assert "errors" not in snapshot["queues"][0]["counts"]  # the API's counts stay as they are
+
+
 def test_item_page_shows_payload_and_result_as_pretty_json(staff_client, queue):
     store = get_store()
     [item_id] = post("thumbs", {"image": "cat.png", "sizes": [64, 128]})

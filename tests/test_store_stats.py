@@ -26,6 +26,30 @@ def test_count_items_counts_each_state(store, clock, config):
     assert counts.oldest_pending_posted_at is None
 
 
+ERROR = {"error": {"type": "ValueError", "message": "no such image", "traceback": "Traceback ..."}}
+
+
+@pytest.mark.parametrize("result, is_error", [
+    (ERROR, True),
+    ({"error": {"message": "only a message"}}, True),
+    ({"error": "a string is a result like any other"}, False),
+    ({"error": {"type": "X"}, "more": 1}, False),
+    ({"error": {"code": 3}}, False),
+    ([ERROR], False),
+])
+def test_finished_items_with_an_error_result_are_counted_apart(store, clock, config, result, is_error):
+    posted = post(store, 1, 2)
+    store.claim_items(config=config, max_items=2)
+    finish(store, config, posted[0], result)
+    finish(store, config, posted[1], "fine")
+    counts = alongside(store, clock=clock).count_items(queue=Q)  # from the marks, as any process
+    assert (counts.finished, counts.failed, counts.errors) == (2, 0, int(is_error))
+    clock.advance(config.retain_seconds + 1)
+    store.sweep_queue(config=config)  # retention takes the mark with its item
+    assert store.count_items(queue=Q).errors == 0
+    assert not any((store.data_dir / Q / "errors").iterdir())
+
+
 def test_counts_read_no_item_file(store, clock, config, faults):
     posted = post(store, *range(4))
     finish(store, config, posted[0], 1)

@@ -80,6 +80,7 @@ def queue_row(queue: dict) -> dict:
         "chart": chart_columns(queue["throughput"]),
         "rate": f"{last['finished']} finished, {last['failed']} failed",
         "workers": workers_text(queue["workers"]),
+        "errors": queue.get("errorResults", 0),
     }
 
 

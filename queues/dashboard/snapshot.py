@@ -30,7 +30,9 @@ def take_snapshot(store: Store, configs: Iterable[QueueConfig], workers: Iterabl
 
 
 def _describe(store: Store, config: QueueConfig, now: float, workers: int) -> dict:
-    data = describe_queue(config, store.count_items(queue=config.name), now)
+    counts = store.count_items(queue=config.name)
+    data = describe_queue(config, counts, now)
+    data["errorResults"] = counts.errors  # of the finished: the dashboard tells them apart
     data["throughput"] = [
         {"minute": iso(start), "finished": finished, "failed": failed}
         for start, finished, failed in store.throughput(queue=config.name, minutes=THROUGHPUT_MINUTES)

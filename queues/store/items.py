@@ -4,7 +4,8 @@ ending it in done/ and recording a claim. The transitions and the sweep are made
 An item ends by a done file written to tmp/ and flushed, linked into done/ (only if done/ has no
 file of it yet: the first to link wins), done/ flushed, and only then its old file removed. A
 crash in between leaves two copies: done wins everywhere, and the sweep removes the other. A
-failed item is also marked in failed/ (before its link), so counts never read a done file.
+failed item is also marked in failed/ (before its link), one finished with an error result in
+errors/, so counts never read a done file.
 """
 
 import logging
@@ -20,7 +21,7 @@ from .layout import DIRECTORIES, Layout
 from .keys import Keys
 from .locks import QueueLocks
 from .pending import PendingIndex
-from .records import Item, Unreadable, decode, encode, encode_claim, with_claim
+from .records import Item, Unreadable, decode, encode, encode_claim, is_error_result, with_claim
 from .schedule import Schedule
 from .tallies import Tallies
 
@@ -377,7 +378,8 @@ class ItemFiles:
         removed is settled by the next look for due items (the sweep lists no scheduled/)."""
         if state == "scheduled":
             self.schedule.mark(queue, done.id, self.clock(), at_run_at=False)
-        mark = self.layout.mark(queue, "failed", done.id) if done.status == "failed" else None
+        mark = _mark_of(done)
+        mark = self.layout.mark(queue, mark, done.id) if mark else None
         marked = False
         if mark is not None:
             try:
@@ -391,7 +393,7 @@ class ItemFiles:
         except FileExistsError:
             return False
         except BaseException:
-            if marked:  # the item did not end: a failed mark would count it failed all the same
+            if marked:  # the item did not end: its mark would count it all the same
                 files.remove_quietly(mark)
             raise
 
@@ -401,8 +403,8 @@ class ItemFiles:
         with self.lock(queue, done.id):
             if files.exists(self.layout.item(queue, state, done.id)):
                 files.remove_quietly(self.layout.item(queue, "done", done.id))
-                if done.status == "failed":
-                    files.remove_quietly(self.layout.mark(queue, "failed", done.id))
+                if _mark_of(done):
+                    files.remove_quietly(self.layout.mark(queue, _mark_of(done), done.id))
 
     def ended(self, queue: str, moved: list[tuple[str, Item]]) -> None:
         """After done/ was flushed: remove the items' old files, count them, and say they ended."""
@@ -430,8 +432,8 @@ class ItemFiles:
             self.flush_states(queue, *done_directories([done]))
         except BaseException:
             files.remove_quietly(self.layout.item(queue, "done", done.id))
-            if done.status == "failed":
-                files.remove_quietly(self.layout.mark(queue, "failed", done.id))
+            if _mark_of(done):
+                files.remove_quietly(self.layout.mark(queue, _mark_of(done), done.id))
             raise
         self.ended(queue, [(state, done)])
         return True
@@ -441,6 +443,14 @@ class ItemFiles:
         return "failed" if files.exists(self.layout.mark(queue, "failed", item_id)) else "finished"
 
 
+def _mark_of(done: Item) -> str | None:
+    """The mark a done item gets, so counts tell it apart without reading it: failed/ for one the
+    server failed, errors/ for one finished with an error result."""
+    if done.status == "failed":
+        return "failed"
+    return "errors" if is_error_result(done.result) else None
+
+
 def done_directories(done: Sequence[Item]) -> tuple[str, ...]:
-    """The directories that ending these items changes: done/, and failed/ if any failed."""
-    return ("done", "failed") if any(item.status == "failed" for item in done) else ("done",)
+    """The directories that ending these items changes: done/, and the marks' they got."""
+    return ("done", *sorted({mark for item in done if (mark := _mark_of(item))}))

@@ -5,6 +5,7 @@
     <root>/<queue>/quarantine/            unreadable files, moved out of the way
     <root>/<queue>/failed/<id>            marks of done items that failed (counts read no file)
     <root>/<queue>/fetched/<id>           marks of done items fetched once; mtime: the first fetch
+    <root>/<queue>/errors/<id>            marks of finished items whose result is an error
     <root>/<queue>/stats/<minute>.<status>  how many items ended that minute (the file's size)
     <root>/<queue>/schedule/<slot>/<due>.<id>  marks of scheduled items, by when they are due
     <root>/<queue>/keys/<sha256 of key>   an idempotency key: a hard link of its item's first file
@@ -26,7 +27,7 @@ QUEUE_NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,63}")
 _DIGEST = re.compile(r"[0-9a-f]{64}")
 ITEM_STATES = ("scheduled", "pending", "processing", "done")
 STATES = ("tmp", *ITEM_STATES)
-MARKS = ("failed", "fetched")
+MARKS = ("failed", "fetched", "errors")
 DIRECTORIES = (*STATES, *MARKS, "quarantine", "stats", "locks", "schedule", "keys")
 SLOT_SECONDS = 10  # a schedule slot: the marks of items due within the same ten seconds
 ITEM_SUFFIX = ".json"

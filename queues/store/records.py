@@ -149,6 +149,16 @@ class Counts:
     finished: int
     failed: int
     oldest_pending_posted_at: float | None
+    errors: int = 0  # of the finished: those whose result is an error a worker handed in
+
+
+def is_error_result(result: Any) -> bool:
+    """Whether a result has the clients' shape of an error (`{"error": {"type", "message", ...}}`):
+    a worker's handler failed, though the item finished."""
+    if not (isinstance(result, dict) and len(result) == 1 and isinstance(result.get("error"), dict)):
+        return False
+    error = result["error"]
+    return isinstance(error.get("type"), str) or isinstance(error.get("message"), str)
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Counts and listings: what the API's queue figures and the dashboard's lists show. Counts list
-names only (a failed item is told from a finished one by its mark in failed/); a listing reads
-just the files of the page it shows."""
+names only (a failed item is told from a finished one by its mark in failed/, an error result by
+its mark in errors/); a listing reads just the files of the page it shows."""
 
 import heapq
 
@@ -23,6 +23,7 @@ def count_items(layout: Layout, queue: str) -> Counts:
     processing = _ids_in(layout, queue, "processing")
     done = _ids_in(layout, queue, "done")
     failed = len(set(files.names(layout.directory(queue, "failed"))).intersection(done))
+    errors = len(set(files.names(layout.directory(queue, "errors"))).intersection(done))
     oldest = min(pending, default=None)
     if oldest is not None and not ids.is_valid_id(oldest):  # a stray name: the sweep moves it
         oldest = min((i for i in pending if ids.is_valid_id(i)), default=None)
@@ -33,6 +34,7 @@ def count_items(layout: Layout, queue: str) -> Counts:
         finished=len(done) - failed,
         failed=failed,
         oldest_pending_posted_at=ids.id_millis(oldest) / 1000 if oldest else None,
+        errors=errors,
     )
 
 

@@ -74,6 +74,8 @@
       row.querySelector(`[data-count="${state}"]`).textContent = counts[state];
     }
     field("bar").setAttribute("aria-label", STATES.map((state) => `${counts[state]} ${state}`).join(", "));
+    field("errors").hidden = !queue.errorResults;
+    field("errors").textContent = `of the finished, ${queue.errorResults} with an error result`;
     field("oldest").textContent = formatDuration(queue.oldestPendingAgeSeconds);
     drawChart(field("chart"), queue.throughput);
     field("rate").textContent = `${queue.lastMinute.finished} finished, ${queue.lastMinute.failed} failed`;
