@@ -3,8 +3,9 @@ processes sharing the data directory.
 
 A key is a file in keys/, named for the key's SHA-256: a hard link of its item's file as posted
 (one link more than a plain post), so it says which item holds the key without a lookup table or
-a scan. (That first file stays on disk as long as the key, until retention deletes the item.) Posts of one key take turns under the key's lock (a stripe of
-locks/keys, like the item locks), held from the look-up until the new item is in place.
+a scan. (That first file stays on disk as long as the key, until retention deletes the item.)
+Posts of one key take turns under the key's lock (a stripe of locks/keys, like the item locks),
+held from the look-up until the new item is in place.
 
 A key whose item is gone is stale: its item was deleted by retention (which then removes the key
 itself), or its poster died between the link and the move. Under the key's lock no poster is
