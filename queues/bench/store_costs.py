@@ -24,7 +24,7 @@ from queues.store import MAX_BATCH, NewItem, QueueConfig, Store
 from queues.sweep import PROMOTE_SECONDS, Promoter, Sweeper
 
 CONFIG = QueueConfig(name="bench")
-SCHEDULED_SPREAD_SECONDS = 3600  # scheduled items of the bench come due over the next hour
+SCHEDULED_SPREAD_SECONDS = 3600  # scheduled items of the bench come due over the hour after the next
 
 
 def _post(store: Store, count: int, due: Callable[[int], float | None] = lambda n: None) -> None:
@@ -37,12 +37,12 @@ def _post(store: Store, count: int, due: Callable[[int], float | None] = lambda 
 @contextmanager
 def _queue_with(pending: int, scheduled: int = 0) -> Iterator[Path]:
     """A data directory holding `pending` pending items, and `scheduled` more coming due over
-    the next hour."""
+    the hour after the next (none while it is built)."""
     with tempfile.TemporaryDirectory(prefix="store-costs-") as data_dir:
         builder = Store(data_dir, fsync=False)
         builder.ensure_queue(CONFIG.name)
         _post(builder, pending)
-        later = time.time() + 60
+        later = time.time() + SCHEDULED_SPREAD_SECONDS  # none comes due while a big queue is built
         _post(builder, scheduled, lambda n: later + n * SCHEDULED_SPREAD_SECONDS / scheduled)
         os.sync()  # else the first fsync measured pays for writing the whole build out
         yield Path(data_dir)
