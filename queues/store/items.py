@@ -319,17 +319,14 @@ class ItemFiles:
         return replace(item, status=target, lease_expires_at=None, claim_token=None)
 
     def move_rewritten(self, queue: str, item: Item, source: str, target: str) -> Item:
-        """Move an item from `source`/ to `target`/ with new content (under its lock): written
-        aside, moved into `target`/, then its old file removed. Until the move it is as it was;
-        a crash after it leaves two copies, and the sweep keeps the one in `target`/."""
-        tmp = self.write_aside(queue, item)
+        """Move an item from `source`/ to `target`/ with new content (under its lock): written in
+        `target`/ and flushed there, then its old file removed (so a power cut never leaves
+        neither). Until the move it is as it was; a crash after it leaves two copies, and the
+        sweep keeps the one in `target`/."""
         try:
-            # on disk before the old copy goes: a new name is not covered by the file system's
-            # own care for a rename over an existing file
-            self.flush_files([tmp])
-            files.move(tmp, self.layout.item(queue, target, item.id))
-        except BaseException:
-            files.remove_quietly(tmp)
+            self.rewrite(queue, target, item)
+        except BaseException:  # not flushed there: the old copy, still in place, stays the item
+            files.remove_quietly(self.layout.item(queue, target, item.id))
             raise
         try:
             files.remove(self.layout.item(queue, source, item.id))
