@@ -1,14 +1,15 @@
 """Taskhoster as its users see it: every call through our own client (`taskhoster.Producer`;
 the workers are `taskhoster.Worker` processes, queues/bench/worker.py). The workload shared with
-the peers is in workload.py; the concurrent producers and the batches are ours alone."""
+the peers is in workload.py, with the loop that times concurrent producers (ours and theirs);
+the batches and the keyed posts are ours alone."""
 
 import itertools
-import threading
 import time
+from functools import partial
 
 from taskhoster import Producer
 
-from .workload import PAYLOAD, RESULT_TIMEOUT, percentiles
+from .workload import PAYLOAD, RESULT_TIMEOUT, threaded_posts
 
 POLL_SECONDS = 0.01
 TERMINAL = ("finished", "failed")
@@ -47,51 +48,15 @@ class TaskhosterSystem:
 
 
 def concurrent_posts(url: str, token: str, queue: str, *, threads: int, seconds: float) -> dict:
-    """`threads` threads, each with its own `Producer`, posting single items back to back for
-    `seconds`: the items per second of them all, and one post's time (p50, p99, ms)."""
+    """`threads` threads, each with its own `Producer` (as users give each thread its own),
+    posting single items back to back for `seconds`, timed as the peers' are
+    (workload.threaded_posts)."""
     producers = [Producer(url, token, timeout=60) for _ in range(threads)]
-    took: list[list[float]] = [[] for _ in range(threads)]
-    failures: list[BaseException] = []
-    clock = {"began": 0.0, "deadline": 0.0}
-
-    def set_clock() -> None:  # run by the barrier before it lets anyone go
-        clock["began"] = time.perf_counter()
-        clock["deadline"] = clock["began"] + seconds
-
-    start = threading.Barrier(threads + 1, action=set_clock)
-
-    def post_for_a_while(producer: Producer, mine: list[float]) -> None:
-        try:
-            producer.post(queue, PAYLOAD)  # untimed: opens the connection
-            start.wait()
-            while (started := time.perf_counter()) < clock["deadline"]:
-                producer.post(queue, PAYLOAD)
-                mine.append((time.perf_counter() - started) * 1000)
-        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
-            failures.append(exc)
-            start.abort()
-
-    workers = [
-        threading.Thread(target=post_for_a_while, args=(producer, mine), daemon=True)
-        for producer, mine in zip(producers, took)
-    ]
     try:
-        for worker in workers:
-            worker.start()
-        try:
-            start.wait()
-        except threading.BrokenBarrierError:
-            pass  # a thread failed before the start: its error is raised below
-        for worker in workers:
-            worker.join()
-        elapsed = time.perf_counter() - clock["began"]
+        return threaded_posts([partial(producer.post, queue, PAYLOAD) for producer in producers], seconds=seconds)
     finally:
         for producer in producers:
             producer.close()
-    if failures:
-        raise RuntimeError(f"a producer thread failed: {failures[0]!r}") from failures[0]
-    every = [ms for mine in took for ms in mine]
-    return {"postsPerSecond": len(every) / elapsed, "postMs": percentiles(every, 50, 99)}
 
 
 def batch_items_per_second(producer: Producer, queue: str, *, seconds: float, batch: int) -> float:
