@@ -15,7 +15,9 @@ On its own servers (the default):
   served once per mode: a fresh server's first claims on it, and its peak memory;
 - the store alone (queues/bench/store_costs.py): a claim's cost per pending size, then one quiet
   sweep pass over the biggest queue (it writes nothing, so fsync plays no part).
-With `peers`, last: each peer on its own Redis, in memory and durable (peers.py).
+With `peers`, last: each peer on its own Redis, in memory and durable (peers.py), on what of
+client-end-to-end, client-round-trip and client-producers is selected, with its workers running
+while ours do: during the workload, and no longer for the concurrent producers.
 
 With `url`, only what goes through the API is measured, on queues that must exist there: the
 disk and the memory of a server elsewhere are out of reach.
@@ -53,6 +55,7 @@ GROUPS = {
     "round-trip": ("server-round-trip",),
 }
 WORKED = ("client-end-to-end", "client-round-trip", "server-end-to-end", "server-round-trip")
+PEER_MEASURES = ("client-end-to-end", "client-round-trip", "client-producers")  # the peers' figures beside these
 BYTES_PER_ITEM = 4096 + 512  # one small file: a block, plus its inode and directory entry
 BIG_QUEUE = "bench-big"
 URL_LABEL = "at url"  # the key of a server given by --url, in place of "fsync on"/"fsync off"
@@ -105,6 +108,8 @@ class BenchSettings:
             described["peers"] = list(self.peers)
             described["peerVersions"] = peers.versions(self.peers)
             described["celeryWorkers"] = peers.CELERY_WORKERS
+            if "client-producers" in self.measures:
+                described["peerProducers"] = peers.PRODUCER_THREADS
         if self.url:
             described["url"] = self.url
             return described
@@ -163,6 +168,9 @@ def check(settings: BenchSettings) -> None:
         if settings.server:
             raise BadSettings("--server chooses the bench's own servers; it cannot be used with --url")
     if settings.peers:
+        if not set(PEER_MEASURES) & set(settings.measures):
+            raise BadSettings(f"--peers measures the peers beside some of {', '.join(PEER_MEASURES)}: "
+                              f"select one with --only")
         try:
             peers.check_peers(settings.peers)
         except RuntimeError as exc:
@@ -263,12 +271,18 @@ def _scheduled_figures(settings: BenchSettings, say: Say) -> dict:
 
 
 def _peer_figures(settings: BenchSettings, root: Path, say: Say) -> dict:
+    """Each peer on what of PEER_MEASURES is selected, with our sizes, threads and seconds."""
+    measures = set(settings.measures)
     measured = {}
     for name in settings.peers:
         for durable in (False, True):
             measured[peers.label(name, durable)] = peers.measure(
                 name, durable=durable, directory=root / f"{name}-{'aof' if durable else 'memory'}",
-                workers=settings.workers, items=settings.items, round_trips=settings.round_trips, say=say,
+                workers=settings.workers,
+                items=settings.items if "client-end-to-end" in measures else None,
+                round_trips=settings.round_trips if "client-round-trip" in measures else None,
+                producers=settings.producers if "client-producers" in measures else (),
+                post_seconds=settings.post_seconds, say=say,
             )
     return measured
 

@@ -11,6 +11,19 @@ Redis the bench starts itself (redis_server.py), once in memory and once durable
   job's result stream); 2 `rq worker --worker-class rq.worker.SimpleWorker` processes (the job
   runs in the worker's own process, as ours does; RQ's default worker forks for every job).
 
+Their concurrent producers are ours' (client.py): the same threads, seconds and timing loop
+(workload.threaded_posts), single posts through the same calls as above, and run as ours are
+run: after the workers have stopped, so the posts go to a queue no worker works. The threads are
+set up as each library's users set them up in one process:
+
+- Celery: every thread calls `task.delay` on the one app, which is how Celery is used (an app per
+  process). Its calls take a connection from the app's broker pool (`broker_pool_limit`, 10 by
+  default, left as it is): with more threads than that, a thread waits for a free one.
+- RQ: every thread has its own `Queue` on its own `Redis` client, as ours have a `Producer` each.
+  A `Queue` on one client shared by the threads is as normal (redis-py's pool lends each call a
+  connection), but that pool refuses more than 100 connections by default, which would cap
+  --producers.
+
 The libraries come with the bench extra (`pip install -e '.[bench]'`), imported only here and in
 peer_tasks.py, and only when peers are asked for.
 """
@@ -22,7 +35,9 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 
 from . import workload
@@ -35,8 +50,10 @@ WARM_UP_TIMEOUT = 60.0
 STOP_TIMEOUT = 15.0
 RQ_QUEUE = "bench"
 CELERY_WORKERS = "2 --pool solo processes"
+PRODUCER_THREADS = "celery: the threads share one app; rq: a Queue and a Redis client per thread"
 
 Say = Callable[[str], None]
+Post = Callable[[], object]
 
 
 class PeersUnavailable(RuntimeError):
@@ -66,19 +83,47 @@ def label(name: str, durable: bool) -> str:
     return f"{name} (redis {'aof always' if durable else 'in memory'})"
 
 
-def measure(name: str, *, durable: bool, directory: Path, workers: int, items: int, round_trips: int,
-            say: Say) -> dict:
-    """One peer on one Redis: the workload's figures, as ours are reported."""
+def measure(name: str, *, durable: bool, directory: Path, workers: int, items: int | None,
+            round_trips: int | None, producers: tuple[int, ...], post_seconds: float, say: Say) -> dict:
+    """One peer on one Redis: the figures asked for, as ours are reported and in ours' order. The
+    workload (`items`, `round_trips`; None for not measured) while `workers` worker processes run;
+    then, the workers stopped as ours are, each of `producers` threads posting for `post_seconds`."""
     kind = {"celery": CelerySystem, "rq": RqSystem}[name]
     which = label(name, durable)
+    figures = {}
     with RedisServer(directory / "redis", durable=durable) as redis_server:
         say(f"{which}: redis-server pid {redis_server.process.pid} at {redis_server.url}")
-        with kind(redis_server.url, workers=workers, log_dir=directory) as system:
-            say(f"{which}: {workers} worker processes warm after {system.warm_up()} warm-up tasks")
-            say(f"{which}: {items:,} tasks, one call each, while the workers consume")
-            figures = workload.enqueue_and_end_to_end(system, items=items)
-            say(f"{which}: {round_trips} round trips")
-            figures["roundTripMs"] = workload.round_trip_ms(system, count=round_trips)
+        with kind(redis_server.url) as system:
+            if items or round_trips:
+                with system.working(workers, log_dir=directory) as warm_ups:
+                    say(f"{which}: {workers} worker processes warm after {warm_ups} warm-up tasks")
+                    figures.update(_workload(system, which, items=items, round_trips=round_trips, say=say))
+            if producers:
+                figures["concurrentProducers"] = _concurrent_producers(
+                    system, which, producers=producers, seconds=post_seconds, say=say
+                )
+    return figures
+
+
+def _workload(system: "_PeerSystem", which: str, *, items: int | None, round_trips: int | None, say: Say) -> dict:
+    figures = {}
+    if items:
+        say(f"{which}: {items:,} tasks, one call each, while the workers consume")
+        figures.update(workload.enqueue_and_end_to_end(system, items=items))
+    if round_trips:
+        say(f"{which}: {round_trips} round trips")
+        figures["roundTripMs"] = workload.round_trip_ms(system, count=round_trips)
+    return figures
+
+
+def _concurrent_producers(system: "_PeerSystem", which: str, *, producers: tuple[int, ...], seconds: float,
+                          say: Say) -> dict:
+    """{"N": {postsPerSecond, postMs}} as ours, with no worker running."""
+    figures = {}
+    for threads in producers:
+        say(f"{which}: {threads} threads posting single tasks for {seconds:g} s, no worker running")
+        with system.thread_posts(threads) as posts:
+            figures[str(threads)] = workload.threaded_posts(posts, seconds=seconds)
     return figures
 
 
@@ -114,13 +159,31 @@ class WorkerProcesses:
 
 
 class _PeerSystem:
-    """What both peers share: worker processes, and a warm-up that waits until each has worked a
-    task (one at a time, so idle workers take turns)."""
+    """What both peers share: worker processes started and stopped apart from the system (ours stop
+    before the concurrent producers, and so do theirs), and a warm-up that waits until each has
+    worked a task (one at a time, so idle workers take turns)."""
 
     workers: WorkerProcesses
 
+    def _start_workers(self, count: int, log_dir: Path) -> WorkerProcesses:
+        raise NotImplementedError
+
     def _warm_up_one(self) -> int:
         raise NotImplementedError
+
+    def thread_posts(self, threads: int):
+        """A context manager: a post function for each of `threads` threads, as the module's
+        docstring says they are set up; whatever they opened is closed on leaving."""
+        raise NotImplementedError
+
+    @contextmanager
+    def working(self, count: int, *, log_dir: Path) -> Iterator[int]:
+        """`count` worker processes, warm (how many warm-up tasks that took), stopped on leaving."""
+        self.workers = self._start_workers(count, log_dir)
+        try:
+            yield self.warm_up()
+        finally:
+            self.workers.stop()
 
     def warm_up(self) -> int:
         deadline = time.monotonic() + WARM_UP_TIMEOUT
@@ -140,31 +203,37 @@ class _PeerSystem:
         return self
 
     def __exit__(self, *exc) -> None:
-        try:
-            self.close()
-        finally:
-            self.workers.stop()
+        self.close()
 
 
 class CelerySystem(_PeerSystem):
-    def __init__(self, redis_url: str, *, workers: int, log_dir: Path):
+    def __init__(self, redis_url: str):
         from celery.result import ResultSet
 
-        from .peer_tasks import CELERY_TASK, REDIS_URL_VARIABLE, celery_app
+        from .peer_tasks import CELERY_TASK, celery_app
 
         self._result_set = ResultSet
+        self.redis_url = redis_url
         self.app = celery_app(redis_url)
         self.task = self.app.tasks[CELERY_TASK]
-        self.workers = WorkerProcesses(
+
+    def _start_workers(self, count: int, log_dir: Path) -> WorkerProcesses:
+        from .peer_tasks import REDIS_URL_VARIABLE
+
+        return WorkerProcesses(
             [sys.executable, "-m", "celery", "-A", "queues.bench.peer_tasks:app", "worker", "--pool", "solo",
              "--hostname", "bench{n}@%h", "--without-gossip", "--without-mingle", "--without-heartbeat"],
-            count=workers, env={**os.environ, REDIS_URL_VARIABLE: redis_url}, log_dir=log_dir, name="celery",
+            count=count, env={**os.environ, REDIS_URL_VARIABLE: self.redis_url}, log_dir=log_dir, name="celery",
         )
 
     def _warm_up_one(self) -> int:
         from .peer_tasks import WARM_UP
 
         return self.task.delay(WARM_UP).get(timeout=10)
+
+    @contextmanager
+    def thread_posts(self, threads: int) -> Iterator[list[Post]]:
+        yield [self.post] * threads  # the one app, shared
 
     def begin(self) -> None:
         pass
@@ -183,25 +252,46 @@ class CelerySystem(_PeerSystem):
 
 
 class RqSystem(_PeerSystem):
-    def __init__(self, redis_url: str, *, workers: int, log_dir: Path):
-        from redis import Redis
+    def __init__(self, redis_url: str):
         from rq import Queue
+
+        self.redis_url = redis_url
+        self.connection = self._connect()
+        self.queue = Queue(RQ_QUEUE, connection=self.connection)
+        self._finished_before = 0
+
+    def _connect(self):
+        from redis import Redis
 
         # redis-py 8 gives up on a read after 5 s; a result waited for may take longer (RQ blocks
         # on the job's result stream)
-        self.connection = Redis.from_url(redis_url, socket_timeout=workload.RESULT_TIMEOUT + 10)
-        self.queue = Queue(RQ_QUEUE, connection=self.connection)
-        self._finished_before = 0
-        self.workers = WorkerProcesses(
+        return Redis.from_url(self.redis_url, socket_timeout=workload.RESULT_TIMEOUT + 10)
+
+    def _start_workers(self, count: int, log_dir: Path) -> WorkerProcesses:
+        return WorkerProcesses(
             [sys.executable, "-m", "rq.cli", "worker", "--worker-class", "rq.worker.SimpleWorker", "--url",
-             redis_url, "--name", f"bench-{os.getpid()}-{{n}}", RQ_QUEUE],
-            count=workers, env=dict(os.environ), log_dir=log_dir, name="rq",
+             self.redis_url, "--name", f"bench-{os.getpid()}-{{n}}", RQ_QUEUE],
+            count=count, env=dict(os.environ), log_dir=log_dir, name="rq",
         )
 
     def _warm_up_one(self) -> int:
         from .peer_tasks import WARM_UP, noop
 
         return self._outcome(self.queue.enqueue(noop, WARM_UP), timeout=10)
+
+    @contextmanager
+    def thread_posts(self, threads: int) -> Iterator[list[Post]]:
+        from rq import Queue
+
+        from .peer_tasks import noop
+
+        connections = [self._connect() for _ in range(threads)]
+        try:
+            yield [partial(Queue(RQ_QUEUE, connection=connection).enqueue, noop, workload.PAYLOAD)
+                   for connection in connections]
+        finally:
+            for connection in connections:
+                connection.close()
 
     def _outcome(self, job, *, timeout: float):
         from rq.results import Result
