@@ -3,7 +3,8 @@ from its figures; and the summary printed for a reader on stderr."""
 
 KEYS = """\
 The JSON line (one line on stdout; progress and a readable summary go to stderr):
-  settings     what was run: sizes, measures, fsync modes, server, tmpdir, peers' versions
+  settings     what was run: sizes, measures, fsync modes, server, tmpdir, peers' versions, how
+               the peers' workers and concurrent producers are set up
   disk.flushMs {p50, p99}: one 200-byte file written, fsynced, its directory fsynced, in
                TMPDIR; no post answered with fsync on can be faster than this
   taskhoster."fsync on" | "fsync off" | "at url" (a server given by --url):
@@ -34,16 +35,21 @@ The JSON line (one line on stdout; progress and a readable summary go to stderr)
                (fsync off)
   peers."celery (redis in memory)" | "celery (redis aof always)" | "rq (...)" | ...
                the users' workload through each library's normal API, with the same keys as
-               taskhoster.*.client: enqueuePerSecond, endToEndPerSecond, roundTripMs
+               taskhoster.*.client, each with the measure of ours it stands beside:
+               enqueuePerSecond, endToEndPerSecond, roundTripMs; concurrentProducers, the same
+               threads and seconds as ours, with no worker running as ours (task.delay,
+               queue.enqueue)
   ratios       every ratio above 1 means Taskhoster is better:
     taskhosterVsPeers."fsync on"."celery (redis in memory)":
       enqueueOursOverTheirs, endToEndOursOverTheirs      our client's items/s over theirs
       roundTripP50TheirsOverOurs (P95, P99)              their round trip over ours
+      concurrentProducersOursOverTheirs {"N": ratio}     our posts/s with N threads over theirs
     batchesOverSingles."fsync on": {client, serverAlone}: items/s posted in batches over single
                posts of one producer, each against our own singles only (never a peer's)
 """
 
 PEER_KEYS = ("enqueuePerSecond", "endToEndPerSecond")
+WORKLOAD_KEYS = {*PEER_KEYS, "roundTripMs"}
 CUTS = ("p50", "p95", "p99")
 
 
@@ -76,7 +82,16 @@ def _against(mine: dict, their: dict) -> dict:
     if "roundTripMs" in mine and "roundTripMs" in their:
         for cut in CUTS:
             found[f"roundTrip{cut.upper()}TheirsOverOurs"] = their["roundTripMs"][cut] / mine["roundTripMs"][cut]
+    producers = _producers_against(mine.get("concurrentProducers", {}), their.get("concurrentProducers", {}))
+    if producers:
+        found["concurrentProducersOursOverTheirs"] = producers
     return found
+
+
+def _producers_against(mine: dict, their: dict) -> dict:
+    """Per thread count both were measured with: our posts per second over theirs."""
+    return {threads: mine[threads]["postsPerSecond"] / their[threads]["postsPerSecond"]
+            for threads in mine if threads in their}
 
 
 def _batches_over_singles(mine: dict, alone: dict) -> dict:
@@ -102,11 +117,14 @@ def summary(figures: dict) -> list[str]:
     rows = [(f"taskhoster {mode}, client", parts["client"]) for mode, parts in figures.get("taskhoster", {}).items()
             if "client" in parts]
     rows += list(figures.get("peers", {}).items())
+    rows = [(name, measured) for name, measured in rows if WORKLOAD_KEYS & set(measured)]
     if rows:
         lines.append(f"{'users workload':<34}{'enqueue/s':>10}{'end to end/s':>14}   round trip p50 / p95 / p99 ms")
         lines += [_row(name, measured) for name, measured in rows]
     for mode, parts in figures.get("taskhoster", {}).items():
         lines += _ours_only(mode, parts)
+    lines += [_producers_line(f"{peer}, concurrent producers (threads, single posts)", found["concurrentProducers"])
+              for peer, found in figures.get("peers", {}).items() if "concurrentProducers" in found]
     lines += _scheduled_lines(figures.get("storeAlone", {}).get("scheduled"))
     lines += _keys_lines(figures.get("storeAlone", {}).get("keys"))
     lines += _ratio_lines(figures.get("ratios", {}))
@@ -132,9 +150,8 @@ def _ours_only(mode: str, parts: dict) -> list[str]:
         ))
     producers = parts.get("client", {}).get("concurrentProducers", {})
     if producers:
-        lines.append(f"taskhoster {mode}, concurrent producers (threads, a Producer each, single posts): " + "; ".join(
-            f"{threads}: {found['postsPerSecond']:,.0f}/s, post p50 {found['postMs']['p50']:.3g} ms "
-            f"p99 {found['postMs']['p99']:.3g} ms" for threads, found in producers.items()
+        lines.append(_producers_line(
+            f"taskhoster {mode}, concurrent producers (threads, a Producer each, single posts)", producers
         ))
     alone = parts.get("serverAlone", {})
     shown = [
@@ -149,6 +166,13 @@ def _ours_only(mode: str, parts: dict) -> list[str]:
             texts.append("round trip " + " / ".join(f"{alone['roundTripMs'][cut]:.3g}" for cut in CUTS) + " ms")
         lines.append(f"taskhoster {mode}, server alone (lean raw-socket producer): " + ", ".join(texts))
     return lines
+
+
+def _producers_line(title: str, producers: dict) -> str:
+    return f"{title}: " + "; ".join(
+        f"{threads}: {found['postsPerSecond']:,.0f}/s, post p50 {found['postMs']['p50']:.3g} ms "
+        f"p99 {found['postMs']['p99']:.3g} ms" for threads, found in producers.items()
+    )
 
 
 def _scheduled_lines(scheduled: dict | None) -> list[str]:
@@ -185,11 +209,16 @@ def _ratio_lines(found: dict) -> list[str]:
         for mode, peers in against.items():
             for peer, ratio in peers.items():
                 parts = [f"{name.removesuffix('OursOverTheirs')} {ratio[name]:.2f}x"
-                         for name in ratio if name.endswith("OursOverTheirs")]
+                         for name in ("enqueueOursOverTheirs", "endToEndOursOverTheirs") if name in ratio]
                 trips = [f"{ratio[f'roundTrip{cut.upper()}TheirsOverOurs']:.2f}x" for cut in CUTS
                          if f"roundTrip{cut.upper()}TheirsOverOurs" in ratio]
                 if trips:
                     parts.append("round trip p50/p95/p99 " + " / ".join(trips))
+                producers = ratio.get("concurrentProducersOursOverTheirs", {})
+                if producers:
+                    parts.append("concurrent producers (threads) " + ", ".join(
+                        f"{threads}: {found:.2f}x" for threads, found in producers.items()
+                    ))
                 lines.append(f"  taskhoster {mode} vs {peer}: " + ", ".join(parts))
     for mode, own in found.get("batchesOverSingles", {}).items():
         lines.append(f"our batches over our own single posts ({mode}, one producer each): "
