@@ -18,6 +18,7 @@ from queues.bench.harness import QUICK, BadSettings, check, check_disk_space, ex
 from queues.bench.profiling import cpu_seconds
 from queues.bench.profiling import summary as profile_summary
 from queues.bench.report import ratios, summary
+from queues.bench.workload import threaded_posts
 from serverproc import MANAGE, PROJECT_DIR, Deployment
 
 CLIENT = {"enqueuePerSecond", "endToEndPerSecond", "roundTripMs", "concurrentProducers", "postManyItemsPerSecond",
@@ -25,6 +26,7 @@ CLIENT = {"enqueuePerSecond", "endToEndPerSecond", "roundTripMs", "concurrentPro
 SERVER_ALONE = {"singlePostsPerSecond", "batchPostItemsPerSecond", "endToEndInBatchesPerSecond", "roundTripMs", "bigQueue"}
 WORKLOAD = {"enqueuePerSecond", "endToEndPerSecond", "roundTripMs"}  # ours through the client, and each peer's
 PEER_EXTRA = ("celery", "rq", "redis")
+PEER_LABELS = {f"{peer} (redis {mode})" for peer in ("celery", "rq") for mode in ("in memory", "aof always")}
 
 
 def run_bench(tmp_path, *args: str) -> tuple[dict, str]:
@@ -149,31 +151,89 @@ def test_ratios_read_above_one_when_taskhoster_is_better():
     assert any("above 1 = Taskhoster better" in line for line in summary({**figures, "ratios": found}))
 
 
-def test_bench_runs_the_peers_on_their_own_redis(tmp_path):
-    """A tiny --peers run. It needs redis-server and the bench extra; without them it skips, but
-    once they are installed a failing run fails the test."""
+def test_ratios_set_our_concurrent_producers_against_theirs_per_thread_count():
+    def producers(*rates: float) -> dict:
+        return {threads: {"postsPerSecond": rate, "postMs": {"p50": 1.0, "p99": 2.0}}
+                for threads, rate in zip(("1", "8"), rates)}
+
+    figures = {"taskhoster": {"fsync on": {"client": {"concurrentProducers": producers(100.0, 600.0)}}},
+               "peers": {"rq (redis in memory)": {"concurrentProducers": producers(400.0, 200.0)}}}
+
+    found = ratios(figures)
+    lines = summary({**figures, "ratios": found})
+
+    assert found["taskhosterVsPeers"] == {"fsync on": {"rq (redis in memory)": {
+        "concurrentProducersOursOverTheirs": {"1": 0.25, "8": 3.0},
+    }}}
+    assert "rq (redis in memory), concurrent producers (threads, single posts): 1: 400/s" in "\n".join(lines)
+    assert "vs rq (redis in memory): concurrent producers (threads) 1: 0.25x, 8: 3.00x" in "\n".join(lines)
+    assert not any("users workload" in line for line in lines)  # no workload measured, no table of it
+
+
+def skip_without_the_peers() -> None:
+    """The --peers runs need redis-server and the bench extra; without them they skip, but once
+    they are installed a failing run fails the test."""
     missing = [name for name in PEER_EXTRA if importlib.util.find_spec(name) is None]
     if missing:
         pytest.skip(f"the bench extra is not installed (no {', '.join(missing)}): pip install -e '.[bench]'")
     if shutil.which("redis-server") is None:
         pytest.skip("no redis-server on PATH (Debian: apt-get install redis-server)")
 
+
+def assert_concurrent_producers(producers: dict, threads: set[str]) -> None:
+    assert set(producers) == threads
+    for found in producers.values():
+        assert set(found) == {"postsPerSecond", "postMs"}
+        assert_percentiles(found["postMs"], "p50", "p99")
+    assert_all_positive(producers)
+
+
+def test_bench_runs_the_peers_on_their_own_redis(tmp_path):
+    """A tiny --peers run, on the workload and with concurrent producers."""
+    skip_without_the_peers()
+
     report, progress = run_bench(
-        tmp_path, "--peers", "celery,rq", "--fsync", "on", "--only", "client-end-to-end,client-round-trip",
-        "--items", "20", "--round-trips", "5",
+        tmp_path, "--peers", "celery,rq", "--fsync", "on", "--only",
+        "client-end-to-end,client-round-trip,client-producers", "--items", "20", "--round-trips", "5",
+        "--producers", "1,3", "--post-seconds", "0.3",
     )
 
-    labels = {f"{peer} (redis {mode})" for peer in ("celery", "rq") for mode in ("in memory", "aof always")}
-    assert set(report["peers"]) == labels
+    assert set(report["peers"]) == PEER_LABELS
     for figures in report["peers"].values():
-        assert set(figures) == WORKLOAD
+        assert set(figures) == WORKLOAD | {"concurrentProducers"}
         assert_percentiles(figures["roundTripMs"], "p50", "p95", "p99")
+        assert_concurrent_producers(figures["concurrentProducers"], {"1", "3"})
     assert_all_positive(report["peers"])
-    assert set(report["taskhoster"]["fsync on"]["client"]) == WORKLOAD
-    assert set(report["ratios"]["taskhosterVsPeers"]["fsync on"]) == labels
+    assert set(report["taskhoster"]["fsync on"]["client"]) == WORKLOAD | {"concurrentProducers"}
+    against = report["ratios"]["taskhosterVsPeers"]["fsync on"]
+    assert set(against) == PEER_LABELS
+    for ratio in against.values():
+        assert set(ratio["concurrentProducersOursOverTheirs"]) == {"1", "3"}
     assert_all_positive(report["ratios"])
     assert set(report["settings"]["peerVersions"]) == {"celery", "rq", "redis-py", "redis-server"}
+    assert report["settings"]["peerProducers"] == peers.PRODUCER_THREADS
     assert "Taskhoster better" in progress
+    for label in PEER_LABELS:
+        assert f"{label}, concurrent producers (threads, single posts): 1: " in progress
+        assert f"vs {label}: enqueue " in progress and "concurrent producers (threads) 1: " in progress
+
+
+def test_the_peers_concurrent_producers_run_with_no_worker_as_ours(tmp_path):
+    """With only the concurrent producers selected, ours start no worker, and neither do theirs."""
+    skip_without_the_peers()
+
+    report, progress = run_bench(
+        tmp_path, "--peers", "rq", "--fsync", "on", "--only", "client-producers", "--producers", "2",
+        "--post-seconds", "0.3",
+    )
+
+    assert set(report["peers"]) == {"rq (redis in memory)", "rq (redis aof always)"}
+    for figures in report["peers"].values():
+        assert set(figures) == {"concurrentProducers"}
+        assert_concurrent_producers(figures["concurrentProducers"], {"2"})
+    assert "worker processes" not in progress and "no worker running" in progress
+    for ratio in report["ratios"]["taskhosterVsPeers"]["fsync on"].values():
+        assert set(ratio) == {"concurrentProducersOursOverTheirs"}
 
 
 @pytest.mark.parametrize(
@@ -191,6 +251,7 @@ def test_bench_runs_the_peers_on_their_own_redis(tmp_path):
         ({"keyed_items": 9}, "--keyed-items"),
         ({"due_together": 0}, "--due-together"),
         ({"peers": ("celery", "sidekiq")}, "--peers"),
+        ({"peers": ("rq",), "measures": ("server-posts", "disk")}, "--peers measures the peers beside"),
         ({"url": "http://127.0.0.1:9"}, "--token"),
         ({"url": "http://127.0.0.1:9", "token": "t", "measures": ("server-posts", "claim")}, "--only"),
         ({"url": "http://127.0.0.1:9", "token": "t", "measures": ("disk",)}, "--only"),
@@ -214,6 +275,25 @@ def test_bench_refuses_settings_it_cannot_run_with(changes, complaint):
 def test_bench_command_answers_bad_options_with_a_clear_error(args, complaint):
     with pytest.raises(CommandError, match=complaint):
         call_command("bench", *args)
+
+
+def test_threaded_posts_times_every_threads_posts_and_raises_a_threads_failure():
+    calls = []
+
+    def post() -> None:
+        calls.append(1)
+        time.sleep(0.001)
+
+    found = threaded_posts([post] * 3, seconds=0.1)
+
+    assert set(found) == {"postsPerSecond", "postMs"} and found["postsPerSecond"] > 0
+    assert len(calls) > 3  # the untimed first post of each thread, then the timed ones
+
+    def refused() -> None:
+        raise ConnectionRefusedError
+
+    with pytest.raises(RuntimeError, match="a producer thread failed: ConnectionRefusedError"):
+        threaded_posts([post, refused], seconds=0.1)
 
 
 def test_disk_check_refuses_a_queue_that_does_not_fit(tmp_path):
