@@ -36,7 +36,8 @@ class Command(BaseCommand):
         "Producer and Worker: single posts while 2 workers consume, end to end, round trips,\n"
         "concurrent producers, batches; beside it the server alone (a lean raw-socket producer),\n"
         "the disk's own flush, claims and a quiet sweep on big queues, scheduled and keyed items; with --peers,\n"
-        "Celery and RQ on the same workload. Prints one JSON line; progress and a summary go to stderr."
+        "Celery and RQ on the same workload and concurrent producers. Prints one JSON line; progress and a\n"
+        "summary go to stderr."
     )
 
     def create_parser(self, prog_name, subcommand, **kwargs):
@@ -53,9 +54,11 @@ class Command(BaseCommand):
                             help="TASKHOSTER_FSYNC of the servers (default both)")
         parser.add_argument("--only", help=f"comma-separated, some of: {','.join(MEASURES)}; or "
                                            f"{' and '.join(GROUPS)} for all of theirs (default all)")
-        parser.add_argument("--peers", help=f"also run some of {','.join(PEERS)} on the users' workload, "
-                                            "each on a Redis of its own in memory and with AOF appendfsync "
-                                            "always (needs redis-server on PATH and pip install -e '.[bench]')")
+        parser.add_argument("--peers", help=f"also run some of {','.join(PEERS)} on the users' workload and "
+                                            "concurrent producers (what of client-end-to-end, client-round-trip "
+                                            "and client-producers is selected), each on a Redis of its own in "
+                                            "memory and with AOF appendfsync always (needs redis-server on PATH "
+                                            "and pip install -e '.[bench]')")
         parser.add_argument("--items", type=int, help=f"items of the end-to-end runs (default {FULL.items})")
         parser.add_argument("--workers", type=int, help=f"worker processes, ours and the peers' (default {FULL.workers})")
         parser.add_argument("--batch", type=int, help=f"items per post in batches (default {FULL.batch})")
