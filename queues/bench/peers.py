@@ -11,10 +11,11 @@ Redis the bench starts itself (redis_server.py), once in memory and once durable
   job's result stream); 2 `rq worker --worker-class rq.worker.SimpleWorker` processes (the job
   runs in the worker's own process, as ours does; RQ's default worker forks for every job).
 
-Their concurrent producers are ours' (client.py): the same threads, seconds and timing loop
-(workload.threaded_posts), single posts through the same calls as above, and run as ours are
-run: after the workers have stopped, so the posts go to a queue no worker works. The threads are
-set up as each library's users set them up in one process:
+Their concurrent producers are measured as ours are (client.py): the same threads, seconds and
+timing loop (workload.threaded_posts), single posts through the same calls as above, and with no
+worker running, as ours post to a queue no worker works (the workers have stopped after the
+workload, or never started without it). The threads are set up as each library's users set
+them up in one process:
 
 - Celery: every thread calls `task.delay` on the one app, which is how Celery is used (an app per
   process). Its calls take a connection from the app's broker pool (`broker_pool_limit`, 10 by
