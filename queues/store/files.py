@@ -42,18 +42,33 @@ def _before(call: str, path: str) -> int | None:
 
 def write_new(path: str, data: bytes, *, mtime: float | None = None) -> None:
     """Make the file `path` (it must not exist) holding `data`, with `mtime` if given."""
+    os.close(_written(path, data, mtime))
+
+
+@contextmanager
+def new_file(path: str, data: bytes) -> Iterator[int]:
+    """`write_new`, the file kept open for the block: its descriptor, to flush it through after
+    it was moved (no second open)."""
+    fd = _written(path, data, None)
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def _written(path: str, data: bytes, mtime: float | None) -> int:
+    """The descriptor of a new file holding `data`; on any failure the file is removed."""
     fd = _open_new(path)
     try:
-        try:
-            _write_all(fd, path, data)
-            if mtime is not None:
-                _before("utime", path)
-                os.utime(fd, (mtime, mtime))
-        finally:
-            os.close(fd)
+        _write_all(fd, path, data)
+        if mtime is not None:
+            _before("utime", path)
+            os.utime(fd, (mtime, mtime))
     except BaseException:
+        os.close(fd)
         remove_quietly(path)
         raise
+    return fd
 
 
 def _open_new(path: str) -> int:

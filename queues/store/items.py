@@ -278,14 +278,15 @@ class ItemFiles:
             self.events.items_available(queue, len(item_ids))
 
     def _publish_one(self, queue: str, item: Item) -> None:
-        """A single pending item: moved in, then flushed through the descriptor it was written
-        with, and the directory that names it now: pending/, or processing/ if a claim took it
-        meanwhile (pending/ flushed after that would record it gone)."""
-        written = self.write_aside(queue, item)
+        """A single pending item: written to tmp/, moved in, then flushed through the descriptor
+        it was written with (no second open), and the directory that names it now: pending/, or
+        processing/ if a claim took it meanwhile (pending/ flushed after that would record it
+        gone)."""
+        written = self.layout.tmp(queue, item.id)
         pending = self.layout.item(queue, "pending", item.id)
         moved = False
         try:
-            with files.opened(written) as fd:
+            with files.new_file(written, encode(item)) as fd:
                 files.move(written, pending)
                 moved = True
                 self._claimable(queue, [item.id])
