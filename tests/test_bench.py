@@ -23,7 +23,7 @@ from serverproc import MANAGE, PROJECT_DIR, Deployment
 
 CLIENT = {"enqueuePerSecond", "endToEndPerSecond", "roundTripMs", "concurrentProducers", "postManyItemsPerSecond",
           "keyed"}
-SERVER_ALONE = {"singlePostsPerSecond", "batchPostItemsPerSecond", "endToEndInBatchesPerSecond", "roundTripMs", "bigQueue"}
+SERVER_ALONE = {"refusedPostsPerSecond", "singlePostsPerSecond", "batchPostItemsPerSecond", "endToEndInBatchesPerSecond", "roundTripMs", "bigQueue"}
 WORKLOAD = {"enqueuePerSecond", "endToEndPerSecond", "roundTripMs"}  # ours through the client, and each peer's
 PEER_EXTRA = ("celery", "rq", "redis")
 PEER_LABELS = {f"{peer} (redis {mode})" for peer in ("celery", "rq") for mode in ("in memory", "aof always")}
@@ -126,7 +126,7 @@ def test_bench_measures_a_server_given_by_url(tmp_path):
     assert set(report["taskhoster"]) == {"at url"}
     figures = report["taskhoster"]["at url"]
     assert set(figures["client"]) == {"roundTripMs"}
-    assert set(figures["serverAlone"]) == {"singlePostsPerSecond", "batchPostItemsPerSecond", "roundTripMs"}
+    assert set(figures["serverAlone"]) == {"refusedPostsPerSecond", "singlePostsPerSecond", "batchPostItemsPerSecond", "roundTripMs"}
     assert_all_positive(figures)
     assert "disk" not in report  # a server elsewhere: its disk is out of reach
 

@@ -372,8 +372,12 @@ def _api_figures(
                     producer, settings.post_queue, seconds=settings.post_seconds, batch=settings.batch
                 )
         if "server-posts" in measures:
-            say(f"{label}: server alone: single posts, then {settings.batch}-item batches, "
-                f"{settings.post_seconds:g} s each")
+            say(f"{label}: server alone: posts refused for want of a token, single posts, then "
+                f"{settings.batch}-item batches, {settings.post_seconds:g} s each")
+            with profile("server-posts-refused"):
+                alone["refusedPostsPerSecond"] = load.refused_posts_per_second(
+                    lean, settings.post_queue, seconds=settings.post_seconds
+                )
             with profile("server-posts-single"):
                 alone["singlePostsPerSecond"] = load.single_posts_per_second(
                     lean, settings.post_queue, seconds=settings.post_seconds

@@ -23,6 +23,17 @@ def single_posts_per_second(producer: LeanProducer, queue: str, *, seconds: floa
     return _rate(post_one, seconds)
 
 
+def refused_posts_per_second(producer: LeanProducer, queue: str, *, seconds: float) -> float:
+    """Posts refused for want of a token (401), back to back for `seconds`: the rate of a trivial
+    request through the same server, which no post can beat."""
+
+    def refused() -> int:
+        producer.post_refused(queue)
+        return 1
+
+    return _rate(refused, seconds)
+
+
 def batch_items_per_second(producer: LeanProducer, queue: str, *, seconds: float, batch: int) -> float:
     """Items per second, `batch` items per request, back to back for `seconds`."""
     payloads = [PAYLOAD] * batch

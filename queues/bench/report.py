@@ -20,6 +20,8 @@ The JSON line (one line on stdout; progress and a readable summary go to stderr)
                            without, in alternating turns, to that queue
     serverAlone  the same server driven by a lean raw-socket producer (no HTTP library):
       singlePostsPerSecond, batchPostItemsPerSecond  one connection, to the unworked queue
+      refusedPostsPerSecond  posts without a token (401): what a trivial request costs through
+                           this server, a ceiling for any post
       endToEndInBatchesPerSecond  --items posted --batch at a time while the workers consume
       roundTripMs          {p50, p95, p99}, post then a held GET until the item is done
       bigQueue             {pending, firstClaimMs, claimMs, serverPeakMemoryMB}: a fresh server
@@ -156,6 +158,7 @@ def _ours_only(mode: str, parts: dict) -> list[str]:
     alone = parts.get("serverAlone", {})
     shown = [
         (key, text) for key, text in (
+            ("refusedPostsPerSecond", "trivial requests/s (posts refused, 401)"),
             ("singlePostsPerSecond", "single posts/s"), ("batchPostItemsPerSecond", "items/s in batches"),
             ("endToEndInBatchesPerSecond", "end to end/s posted in batches"),
         ) if key in alone
