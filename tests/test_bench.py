@@ -71,7 +71,8 @@ def test_quick_bench_reports_every_figure_for_both_fsync_modes(tmp_path):
     for figures in report["taskhoster"].values():
         assert set(figures) == {"client", "serverAlone"}
         client, alone = figures["client"], figures["serverAlone"]
-        assert set(client) == CLIENT and set(alone) == SERVER_ALONE
+        assert set(client) == CLIENT | {"serverCpuMs"} and set(alone) == SERVER_ALONE
+        assert set(client["serverCpuMs"]) == {"perItemEndToEnd", "perPost1Producers", "perPost8Producers"}
         assert_percentiles(client["roundTripMs"], "p50", "p95", "p99")
         assert_percentiles(alone["roundTripMs"], "p50", "p95", "p99")
         assert set(client["concurrentProducers"]) == {"1", "8"}

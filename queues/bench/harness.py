@@ -37,7 +37,7 @@ from ..serving import DEFAULT_SERVER
 from ..store import MAX_BATCH, NewItem, QueueConfig, Store
 from . import client, disk, load, peers, report, store_costs, workload
 from .lean_client import LeanProducer
-from .profiling import find_py_spy, recording
+from .profiling import cpu_seconds, find_py_spy, recording
 from .servers import Deployment, ServerProcess
 from .workers import WorkerPool
 
@@ -330,10 +330,13 @@ def _api_figures(
             )
             say(f"{label}: the workers are warm after {pool.warm_up(lean)} warm-up items")
         users = client.TaskhosterSystem(producer, settings.work_queue)
+        server_cpu = _ServerCpu(server)
         if "client-end-to-end" in measures:
             say(f"{label}: client: {settings.items:,} items, one Producer.post each, while the workers consume")
             with profile("client-end-to-end"):
+                since = server_cpu.now()
                 mine.update(workload.enqueue_and_end_to_end(users, items=settings.items))
+                server_cpu.record("perItemEndToEnd", since, settings.items)
         if "client-round-trip" in measures:
             say(f"{label}: client: {settings.round_trips} round trips, Producer.post then Producer.result")
             with profile("client-round-trip"):
@@ -355,9 +358,12 @@ def _api_figures(
                 say(f"{label}: client: {threads} threads, a Producer each, posting single items for "
                     f"{settings.post_seconds:g} s")
                 with profile(f"client-producers-{threads}"):
-                    mine["concurrentProducers"][str(threads)] = client.concurrent_posts(
+                    since = server_cpu.now()
+                    found = client.concurrent_posts(
                         url, token, settings.post_queue, threads=threads, seconds=settings.post_seconds
                     )
+                    server_cpu.record(f"perPost{threads}Producers", since, found["postsPerSecond"] * settings.post_seconds)
+                mine["concurrentProducers"][str(threads)] = found
         if "client-batches" in measures:
             say(f"{label}: client: Producer.post_many, {settings.batch} items a call, {settings.post_seconds:g} s")
             with profile("client-batches"):
@@ -386,7 +392,25 @@ def _api_figures(
                 alone["batchPostItemsPerSecond"] = load.batch_items_per_second(
                     lean, settings.post_queue, seconds=settings.post_seconds, batch=settings.batch
                 )
+    if server_cpu.ms:
+        mine["serverCpuMs"] = server_cpu.ms
     return {name: part for name, part in (("client", mine), ("serverAlone", alone)) if part}
+
+
+class _ServerCpu:
+    """The server's CPU (user and system, all its threads) per item of a measure, where the bench
+    started the server itself: what each post or item costs the one process that serves them."""
+
+    def __init__(self, server: ServerProcess | None):
+        self.server = server
+        self.ms: dict[str, float] = {}
+
+    def now(self) -> float:
+        return cpu_seconds(self.server.pid) if self.server is not None else 0.0
+
+    def record(self, name: str, since: float, items: float) -> None:
+        if self.server is not None and items > 0:
+            self.ms[name] = round(1000 * (self.now() - since) / items, 3)
 
 
 def _profiler(settings: BenchSettings, server: ServerProcess | None, label: str):

@@ -18,6 +18,9 @@ The JSON line (one line on stdout; progress and a readable summary go to stderr)
       keyed                {singlePostsPerSecond, postManyItemsPerSecond}: each {plain, keyed},
                            Producer.post and post_many with a new idempotency key per item and
                            without, in alternating turns, to that queue
+      serverCpuMs          {perItemEndToEnd, perPostNProducers}: the server's CPU (all its
+                           threads) per item of the end-to-end run, and per post of N producers
+                           (servers the bench started only)
     serverAlone  the same server driven by a lean raw-socket producer (no HTTP library):
       singlePostsPerSecond, batchPostItemsPerSecond  one connection, to the unworked queue
       refusedPostsPerSecond  posts without a token (401): what a trivial request costs through
@@ -149,6 +152,13 @@ def _ours_only(mode: str, parts: dict) -> list[str]:
         lines.append(f"taskhoster {mode}, client, with a key per item (without): " + ", ".join(
             f"{keyed[key]['keyed']:,.0f} ({keyed[key]['plain']:,.0f}) {text}"
             for key, text in (("singlePostsPerSecond", "single posts/s"), ("postManyItemsPerSecond", "items/s in batches"))
+        ))
+    cpu = parts.get("client", {}).get("serverCpuMs")
+    if cpu:
+        lines.append(f"taskhoster {mode}, the server's CPU (ms): " + ", ".join(
+            f"{ms:.3g} per item end to end" if name == "perItemEndToEnd"
+            else f"{ms:.3g} per post of {name.removeprefix('perPost').removesuffix('Producers')} producers"
+            for name, ms in cpu.items()
         ))
     producers = parts.get("client", {}).get("concurrentProducers", {})
     if producers:
