@@ -9,6 +9,7 @@ import pytest
 from queues import ids
 from queues.exceptions import InvalidRequest, ItemNotFound, NotEnded, NotHeld
 from queues.store import ABSENT, NewItem, QueueConfig, Release, Store
+from queues.store.items import NoEvents
 from queues.store.layout import SLOT_SECONDS
 from store_support import Q, claim_one, files_in, first_listing_done, queue_dir, states_of
 from storekit import finish, release
@@ -147,14 +148,20 @@ def test_an_item_due_at_its_run_at_that_aged_out_meanwhile_fails_instead(store, 
     assert (aged.status, aged.error) == ("failed", "timeout")
 
 
-def test_many_items_due_at_once_are_promoted_in_chunks_each_claimable_at_once(store, clock, config, monkeypatch):
+def test_many_items_due_at_once_are_promoted_in_chunks_each_claimable_at_once(tmp_path, clock, config, monkeypatch):
     import queues.store.transitions as transitions
 
+    pushed = []
+
+    class Events(NoEvents):
+        def items_available(self, queue, count):
+            pushed.append(count)
+
     monkeypatch.setattr(transitions, "PROMOTE_CHUNK", 3)
+    store = Store(tmp_path / "data", fsync=False, clock=clock, events=Events())
     scheduled = schedule(store, config, *[clock.now + 5] * 8)
     first_listing_done(store)
-    pushed = []
-    monkeypatch.setattr(store._items.events, "items_available", lambda queue, count: pushed.append(count))
+    pushed.clear()
     clock.advance(5)
     assert store.promote_due(config=config) == scheduled
     assert pushed == [3, 3, 2]
