@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 from websockets.asyncio.server import ServerConnection, serve
+from websockets.exceptions import ConnectionClosed
 
 PROJECT_DIR = Path(__file__).resolve().parents[2]
 STOP_TIMEOUT = 10.0
@@ -89,10 +90,13 @@ class WorkStub:
         self.acked: list[str] = []
 
     async def serve(self, connection: ServerConnection) -> None:
-        async for message in connection:
-            answer = self.answer(json.loads(message))
-            if answer is not None:
-                await connection.send(json.dumps(answer, separators=(",", ":")))
+        try:
+            async for message in connection:
+                answer = self.answer(json.loads(message))
+                if answer is not None:
+                    await connection.send(json.dumps(answer, separators=(",", ":")))
+        except ConnectionClosed:
+            pass  # the worker stopped while an answer went out: nothing is owed to it
 
     def answer(self, frame: dict) -> dict | None:
         """The answer to one frame; None for a claim that waits for items that will never come."""
