@@ -1,6 +1,7 @@
 """`manage.py bench`: it runs end to end and reports every figure, and refuses settings it
 cannot run with. No speed is asserted here: speed is what the bench reports, not what CI checks."""
 
+import asyncio
 import importlib.util
 import json
 import os
@@ -24,6 +25,7 @@ from serverproc import MANAGE, PROJECT_DIR, Deployment
 CLIENT = {"enqueuePerSecond", "endToEndPerSecond", "roundTripMs", "concurrentProducers", "postManyItemsPerSecond",
           "keyed"}
 SERVER_ALONE = {"refusedPostsPerSecond", "singlePostsPerSecond", "batchPostItemsPerSecond", "endToEndInBatchesPerSecond", "roundTripMs", "bigQueue"}
+CLIENT_CPU = {"producerPostMs", "asyncProducerPostMs", "producerResultMs", "workerItemMs", "workerBatchedItemMs"}
 WORKLOAD = {"enqueuePerSecond", "endToEndPerSecond", "roundTripMs"}  # ours through the client, and each peer's
 PEER_EXTRA = ("celery", "rq", "redis")
 PEER_LABELS = {f"{peer} (redis {mode})" for peer in ("celery", "rq") for mode in ("in memory", "aof always")}
@@ -65,8 +67,10 @@ def test_quick_bench_reports_every_figure_for_both_fsync_modes(tmp_path):
     settings = report["settings"]
     assert settings["items"] == 500 and settings["pendingSizes"] == [10, 2000] and settings["producers"] == [1, 8]
     assert settings["fsync"] == ["on", "off"] and "peers" not in settings
-    assert set(report) == {"settings", "disk", "taskhoster", "storeAlone", "ratios"}
+    assert set(report) == {"settings", "disk", "clientCpu", "taskhoster", "storeAlone", "ratios"}
     assert_percentiles(report["disk"]["flushMs"], "p50", "p99")
+    assert set(report["clientCpu"]) == CLIENT_CPU and settings["cpuCalls"] == 200
+    assert_all_positive(report["clientCpu"])
     assert set(report["taskhoster"]) == {"fsync on", "fsync off"}
     for figures in report["taskhoster"].values():
         assert set(figures) == {"client", "serverAlone"}
@@ -384,3 +388,90 @@ def test_peers_need_the_bench_extra_and_say_so(monkeypatch):
 def test_the_measures_names_of_earlier_builds_are_the_server_alone_ones():
     """So one command (`--only posts,end-to-end,round-trip`) measures an earlier build and this."""
     assert expand(["posts", "end-to-end", "round-trip"]) == ("server-posts", "server-end-to-end", "server-round-trip")
+
+
+
+def test_client_cpu_is_measured_against_stub_servers_without_a_server_of_ours(tmp_path):
+    report, progress = run_bench(tmp_path, "--quick", "--only", "client-cpu")
+
+    assert set(report) == {"settings", "clientCpu", "ratios"}  # no server started, no disk measured
+    assert report["settings"]["cpuCalls"] == 200 and report["settings"]["measures"] == ["client-cpu"]
+    assert set(report["clientCpu"]) == CLIENT_CPU
+    assert_all_positive(report["clientCpu"])
+    assert "serve pid" not in progress
+    assert "client library CPU per call (against stub servers): Producer.post " in progress
+
+
+def test_client_cpu_runs_with_a_url_as_it_needs_no_server(tmp_path):
+    """Nothing listens at the URL: client-cpu alone never calls it."""
+    report, _ = run_bench(tmp_path, "--url", "http://127.0.0.1:9", "--token", "t", "--only", "client-cpu",
+                          "--cpu-calls", "100")
+
+    assert report["settings"]["url"] == "http://127.0.0.1:9" and report["settings"]["cpuCalls"] == 100
+    assert set(report) == {"settings", "clientCpu", "ratios"}
+    assert set(report["clientCpu"]) == CLIENT_CPU
+    assert_all_positive(report["clientCpu"])
+
+
+def test_the_client_shorthand_takes_in_the_client_cpu_measure():
+    assert expand(["client"]) == ("client-cpu", "client-end-to-end", "client-round-trip", "client-producers",
+                                  "client-batches", "client-keys")
+
+
+def test_client_cpu_needs_enough_calls_for_a_batched_worker():
+    with pytest.raises(BadSettings, match="--cpu-calls"):
+        check(replace(QUICK, cpu_calls=99, measures=("client-cpu",)))
+
+
+async def test_the_http_stub_answers_a_producer_as_the_server_does():
+    from queues.bench.stubs import HttpStub
+    from taskhoster import AsyncProducer, Producer
+
+    server = await asyncio.get_running_loop().create_server(HttpStub, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    try:
+        async with AsyncProducer(url, "th_stub") as producer:
+            posted = [await producer.post("jobs", {"n": n}) for n in range(3)]
+        with Producer(url, "th_stub") as producer:  # blocking: in a thread, while the loop serves
+            item_id = (await asyncio.to_thread(producer.post, "jobs", 1))["id"]
+            result = await asyncio.to_thread(producer.result, "jobs", item_id, timeout=5)
+    finally:
+        server.close()
+
+    assert [item["status"] for item in posted] == ["pending"] * 3
+    assert len({item["id"] for item in posted} | {item_id}) == 4  # a new id each post
+    assert result is None
+
+
+@pytest.mark.parametrize("concurrency", [1, 4])
+async def test_the_work_stub_speaks_the_socket_protocol_to_a_real_worker(concurrency):
+    """A real Worker claims the stub's items, runs its handler on each and hands every result in
+    (one `result` frame each, or `results` several at a time); the stub then holds its claim, as
+    a server on an empty queue does, until the worker stops."""
+    from queues.bench.stubs import WorkStub, start_work_stub
+    from taskhoster import Worker
+
+    stub = WorkStub(items=10)
+    server = await start_work_stub(stub)
+    handled = []
+
+    def handle(payload, job):
+        handled.append(job.id)
+        return {"n": len(handled)}
+
+    worker = Worker(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", "th_stub", queues=["jobs"],
+                    concurrency=concurrency, grace=1)
+    working = asyncio.create_task(worker.run_async(handle))
+    try:
+        async with asyncio.timeout(20):
+            while len(stub.acked) < 10:
+                await asyncio.sleep(0.01)
+        worker.stop()
+        async with asyncio.timeout(20):
+            await working
+    finally:
+        working.cancel()
+        server.close()
+
+    assert stub.handed_out == 10
+    assert sorted(stub.acked) == sorted(handled) and len(set(handled)) == 10

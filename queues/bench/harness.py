@@ -1,10 +1,12 @@
 """`manage.py bench`: what it measures, in which order, on which servers.
 
-First, what users see: Taskhoster driven through our own client (`taskhoster.Producer` posting,
-`taskhoster.Worker` processes working), on the same workload as the peers (workload.py), plus
-concurrent producers and batches (client.py). Beside it, the server alone (load.py): the same
-server driven by a lean raw-socket producer, so the figures are the server's and not an HTTP
-library's, with its end-to-end items posted in batches.
+First, the client library's own CPU per call (client_cpu.py), against stub servers in a process
+of their own: no Taskhoster server is needed, so it is measured with `url` too. Then what users
+see: Taskhoster driven through our own client (`taskhoster.Producer` posting, `taskhoster.Worker`
+processes working), on the same workload as the peers (workload.py), plus concurrent producers
+and batches (client.py). Beside it, the server alone (load.py): the same server driven by a lean
+raw-socket producer, so the figures are the server's and not an HTTP library's, with its
+end-to-end items posted in batches.
 
 On its own servers (the default):
 - the disk first: one small file made durable (write, fsync, directory fsync) in the bench's
@@ -35,7 +37,7 @@ from taskhoster import Producer
 
 from ..serving import DEFAULT_SERVER
 from ..store import MAX_BATCH, NewItem, QueueConfig, Store
-from . import client, disk, load, peers, report, store_costs, workload
+from . import client, client_cpu, disk, load, peers, report, store_costs, workload
 from .lean_client import LeanProducer
 from .profiling import cpu_seconds, find_py_spy, recording
 from .servers import Deployment, ServerProcess
@@ -44,11 +46,12 @@ from .workers import WorkerPool
 CLIENT_MEASURES = ("client-end-to-end", "client-round-trip", "client-producers", "client-batches", "client-keys")
 SERVER_MEASURES = ("server-posts", "server-end-to-end", "server-round-trip")
 API_MEASURES = CLIENT_MEASURES + SERVER_MEASURES
-MEASURES = ("disk", *API_MEASURES, "claim", "big-queue", "sweep", "scheduled", "keys")
+SERVERLESS_MEASURES = ("client-cpu",)  # against stub servers: measured with --url too
+MEASURES = ("disk", "client-cpu", *API_MEASURES, "claim", "big-queue", "sweep", "scheduled", "keys")
 # --only shorthands; posts, end-to-end and round-trip are the server-alone measures' names in
 # earlier builds, so one command measures an earlier build and this one alike
 GROUPS = {
-    "client": CLIENT_MEASURES,
+    "client": ("client-cpu", *CLIENT_MEASURES),
     "server": SERVER_MEASURES,
     "posts": ("server-posts",),
     "end-to-end": ("server-end-to-end",),
@@ -80,6 +83,7 @@ class BenchSettings:
     due_together: int = 100_000
     keyed_items: int = 1_000_000
     post_seconds: float = 5.0
+    cpu_calls: int = 3000
     server_claims: int = 200
     flush_tries: int = 300
     fsync: tuple[bool, ...] = (True, False)
@@ -104,6 +108,8 @@ class BenchSettings:
         }
         if "client-producers" in self.measures:
             described["producers"] = list(self.producers)
+        if "client-cpu" in self.measures:
+            described["cpuCalls"] = self.cpu_calls
         if self.peers:
             described["peers"] = list(self.peers)
             described["peerVersions"] = peers.versions(self.peers)
@@ -129,7 +135,7 @@ class BenchSettings:
 
 QUICK = BenchSettings(
     items=500, round_trips=50, producers=(1, 8), pending_sizes=(10, 2000), post_seconds=0.5, server_claims=20,
-    flush_tries=50, scheduled_items=2000, due_together=1000, keyed_items=2000,
+    flush_tries=50, scheduled_items=2000, due_together=1000, keyed_items=2000, cpu_calls=200,
 )
 
 
@@ -155,14 +161,18 @@ def check(settings: BenchSettings) -> None:
         raise BadSettings("--keyed-items must be at least 10 (a keyed post is measured beside 10 and beside them)")
     if settings.post_seconds <= 0:
         raise BadSettings("--post-seconds must be more than 0")
+    if settings.cpu_calls < client_cpu.BATCH:
+        raise BadSettings(f"--cpu-calls must be at least {client_cpu.BATCH} (a batched worker's items come "
+                          f"{client_cpu.BATCH} a claim)")
     unknown = set(settings.measures) - set(MEASURES)
     if unknown or not settings.measures:
         raise BadSettings(f"--only takes some of: {', '.join((*MEASURES, *GROUPS))}")
     if settings.url:
         if not settings.token:
             raise BadSettings("--url needs --token (one that may produce and work on both bench queues)")
-        if set(settings.measures) - set(API_MEASURES):
-            raise BadSettings(f"with --url only {', '.join(API_MEASURES)} can be measured (pass --only)")
+        if set(settings.measures) - set(API_MEASURES) - set(SERVERLESS_MEASURES):
+            raise BadSettings(f"with --url only {', '.join((*SERVERLESS_MEASURES, *API_MEASURES))} can be "
+                              f"measured (pass --only)")
         if settings.profile_dir:
             raise BadSettings("--profile samples the bench's own servers; it cannot be used with --url")
         if settings.server:
@@ -212,11 +222,14 @@ def run(settings: BenchSettings, say: Say) -> dict:
     says what each key means). Ends with a summary for a reader on `say`."""
     check(settings)
     figures: dict = {"settings": settings.describe()}
+    if "client-cpu" in settings.measures:  # first, while nothing else of the bench runs
+        figures["clientCpu"] = _client_cpu_figures(settings, say)
     with tempfile.TemporaryDirectory(prefix="taskhoster-bench-") as root:
         if settings.url:
-            figures["taskhoster"] = {
-                URL_LABEL: _api_figures(settings, settings.url, settings.token, None, URL_LABEL, say)
-            }
+            if set(API_MEASURES) & set(settings.measures):
+                figures["taskhoster"] = {
+                    URL_LABEL: _api_figures(settings, settings.url, settings.token, None, URL_LABEL, say)
+                }
         else:
             _own_figures(settings, figures, Path(root), say)
         if settings.peers:
@@ -226,6 +239,12 @@ def run(settings: BenchSettings, say: Say) -> dict:
     for line in report.summary(figures):
         say(line)
     return figures
+
+
+def _client_cpu_figures(settings: BenchSettings, say: Say) -> dict:
+    say(f"the client library's own CPU: {settings.cpu_calls:,} calls of each kind (after "
+        f"{client_cpu.warm_up_calls(settings.cpu_calls):,} untimed), against stub servers")
+    return client_cpu.measure(calls=settings.cpu_calls)
 
 
 def _own_figures(settings: BenchSettings, figures: dict, root: Path, say: Say) -> None:

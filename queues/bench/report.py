@@ -7,6 +7,16 @@ The JSON line (one line on stdout; progress and a readable summary go to stderr)
                the peers' workers and concurrent producers are set up
   disk.flushMs {p50, p99}: one 200-byte file written, fsynced, its directory fsynced, in
                TMPDIR; no post answered with fsync on can be faster than this
+  clientCpu    the client library's own CPU (user + system) per call, mean ms over --cpu-calls
+               calls after untimed ones, in a process holding only the client, against stub
+               servers in a process of their own (no Taskhoster server: it runs with --url too):
+      producerPostMs       Producer.post, one item a call
+      asyncProducerPostMs  AsyncProducer.post, awaited one at a time
+      producerResultMs     Producer.result of an item that has ended (one GET)
+      workerItemMs         a Worker per item, a plain no-op handler, one item at a time (the
+                           defaults): its claim, handler thread, result and ack
+      workerBatchedItemMs  the same with an async no-op handler, up to 100 items a claim (as the
+                           bench's worker processes run)
   taskhoster."fsync on" | "fsync off" | "at url" (a server given by --url):
     client       through our own client, Producer and 2 Worker processes (what users see):
       enqueuePerSecond     --items single posts, one Producer.post each, while the workers consume
@@ -112,6 +122,7 @@ def _batches_over_singles(mine: dict, alone: dict) -> dict:
 def summary(figures: dict) -> list[str]:
     """The figures for a reader: one line per system on the users' workload, then the ratios."""
     lines = ["", "== summary (the JSON line on stdout has every figure) =="]
+    lines += _client_cpu_lines(figures.get("clientCpu"))
     flush = figures.get("disk", {}).get("flushMs")
     if flush:
         lines.append(
@@ -134,6 +145,17 @@ def summary(figures: dict) -> list[str]:
     lines += _keys_lines(figures.get("storeAlone", {}).get("keys"))
     lines += _ratio_lines(figures.get("ratios", {}))
     return lines
+
+
+def _client_cpu_lines(cpu: dict | None) -> list[str]:
+    if not cpu:
+        return []
+    return [
+        f"client library CPU per call (against stub servers): Producer.post {cpu['producerPostMs']:.3f} ms, "
+        f"AsyncProducer.post {cpu['asyncProducerPostMs']:.3f} ms, Producer.result {cpu['producerResultMs']:.3f} ms, "
+        f"Worker per item {cpu['workerItemMs']:.3f} ms (plain handler, one at a time), "
+        f"{cpu['workerBatchedItemMs']:.3f} ms (async handler, 100 a claim)"
+    ]
 
 
 def _row(name: str, measured: dict) -> str:

@@ -37,7 +37,8 @@ class Command(BaseCommand):
         "concurrent producers, batches; beside it the server alone (a lean raw-socket producer),\n"
         "the disk's own flush, claims and a quiet sweep on big queues, scheduled and keyed items; with --peers,\n"
         "Celery and RQ on the same workload and concurrent producers. Prints one JSON line; progress and a\n"
-        "summary go to stderr."
+        "summary go to stderr. client-cpu, the client library's own CPU per call, needs no server (it runs\n"
+        "against stub servers of its own, with --url too)."
     )
 
     def create_parser(self, prog_name, subcommand, **kwargs):
@@ -53,7 +54,8 @@ class Command(BaseCommand):
         parser.add_argument("--fsync", choices=FSYNC_MODES, default="both",
                             help="TASKHOSTER_FSYNC of the servers (default both)")
         parser.add_argument("--only", help=f"comma-separated, some of: {','.join(MEASURES)}; or "
-                                           f"{' and '.join(GROUPS)} for all of theirs (default all)")
+                                           f"{' and '.join(GROUPS)} for all of theirs (default all); "
+                                           f"client-cpu needs no server and runs with --url too")
         parser.add_argument("--peers", help=f"also run some of {','.join(PEERS)} on the users' workload and "
                                             "concurrent producers (what of client-end-to-end, client-round-trip "
                                             "and client-producers is selected), each on a Redis of its own in "
@@ -79,6 +81,9 @@ class Command(BaseCommand):
                             help=f"keyed items to measure a keyed post beside (default {FULL.keyed_items})")
         parser.add_argument("--post-seconds", type=float,
                             help=f"how long each kind of post runs (default {FULL.post_seconds:g})")
+        parser.add_argument("--cpu-calls", type=int,
+                            help=f"timed calls of each kind for client-cpu, after untimed ones (a tenth as "
+                                 f"many, at least 100) (default {FULL.cpu_calls})")
         parser.add_argument("--flush-tries", type=int,
                             help=f"files made durable to time the disk's flush (default {FULL.flush_tries})")
         parser.add_argument("--server-claims", type=int,
