@@ -42,7 +42,12 @@ def _before(call: str, path: str) -> int | None:
 
 def write_new(path: str, data: bytes, *, mtime: float | None = None) -> None:
     """Make the file `path` (it must not exist) holding `data`, with `mtime` if given."""
-    os.close(_written(path, data, mtime))
+    fd = _written(path, data, mtime)
+    try:
+        os.close(fd)
+    except BaseException:
+        remove_quietly(path)
+        raise
 
 
 @contextmanager
@@ -65,8 +70,10 @@ def _written(path: str, data: bytes, mtime: float | None) -> int:
             _before("utime", path)
             os.utime(fd, (mtime, mtime))
     except BaseException:
-        os.close(fd)
-        remove_quietly(path)
+        try:
+            os.close(fd)
+        finally:
+            remove_quietly(path)
         raise
     return fd
 

@@ -285,8 +285,8 @@ class ItemFiles:
         written = self.layout.tmp(queue, item.id)
         pending = self.layout.item(queue, "pending", item.id)
         moved = False
-        try:
-            with files.new_file(written, encode(item)) as fd:
+        with files.new_file(written, encode(item)) as fd:  # a failed write leaves no file
+            try:
                 files.move(written, pending)
                 moved = True
                 self._claimable(queue, [item.id])
@@ -296,12 +296,12 @@ class ItemFiles:
                         self.flush_states(queue, "pending")
                     if not files.exists(pending):  # claimed before pending/ was flushed, or while
                         self.flush_states(queue, "processing")
-        except BaseException:
-            if moved:
-                self._take_back(queue, "pending", item.id)
-            else:
-                files.remove_quietly(written)
-            raise
+            except BaseException:
+                if moved:
+                    self._take_back(queue, "pending", item.id)
+                else:
+                    files.remove_quietly(written)
+                raise
 
     def _take_back(self, queue: str, state: str, item_id: str) -> None:
         """Undo a move into `state`/ that cannot be made durable; from processing/ too, if another
