@@ -81,7 +81,7 @@ def test_quick_bench_reports_every_figure_for_both_fsync_modes(tmp_path):
         assert_percentiles(alone["roundTripMs"], "p50", "p95", "p99")
         assert set(client["concurrentProducers"]) == {"1", "8"}
         for producers in client["concurrentProducers"].values():
-            assert set(producers) == {"postsPerSecond", "postMs"}
+            assert set(producers) == {"postsPerSecond", "postMs", "posts"}
             assert_percentiles(producers["postMs"], "p50", "p99")
         assert set(alone["bigQueue"]) == {"pending", "firstClaimMs", "claimMs", "serverPeakMemoryMB"}
         assert alone["bigQueue"]["pending"] == 2000
@@ -188,7 +188,7 @@ def skip_without_the_peers() -> None:
 def assert_concurrent_producers(producers: dict, threads: set[str]) -> None:
     assert set(producers) == threads
     for found in producers.values():
-        assert set(found) == {"postsPerSecond", "postMs"}
+        assert set(found) == {"postsPerSecond", "postMs", "posts"}
         assert_percentiles(found["postMs"], "p50", "p99")
     assert_all_positive(producers)
 
@@ -209,7 +209,7 @@ def test_bench_runs_the_peers_on_their_own_redis(tmp_path):
         assert_percentiles(figures["roundTripMs"], "p50", "p95", "p99")
         assert_concurrent_producers(figures["concurrentProducers"], {"1", "3"})
     assert_all_positive(report["peers"])
-    assert set(report["taskhoster"]["fsync on"]["client"]) == WORKLOAD | {"concurrentProducers"}
+    assert set(report["taskhoster"]["fsync on"]["client"]) == WORKLOAD | {"concurrentProducers", "serverCpuMs"}
     against = report["ratios"]["taskhosterVsPeers"]["fsync on"]
     assert set(against) == PEER_LABELS
     for ratio in against.values():
@@ -283,22 +283,27 @@ def test_bench_command_answers_bad_options_with_a_clear_error(args, complaint):
 
 
 def test_threaded_posts_times_every_threads_posts_and_raises_a_threads_failure():
-    calls = []
+    calls = [0, 0, 0]
 
-    def post() -> None:
-        calls.append(1)
-        time.sleep(0.001)
+    def poster(number: int):
+        def post() -> None:
+            calls[number] += 1
+            time.sleep(0.001)
+        return post
 
-    found = threaded_posts([post] * 3, seconds=0.1)
+    found = threaded_posts([poster(number) for number in range(3)], seconds=0.1)
 
-    assert set(found) == {"postsPerSecond", "postMs"} and found["postsPerSecond"] > 0
-    assert len(calls) > 3  # the untimed first post of each thread, then the timed ones
+    assert set(found) == {"postsPerSecond", "postMs", "posts"}
+    assert all(made > 1 for made in calls)  # each thread's untimed first post, then timed ones
+    assert found["posts"] == sum(calls)
+    timed = sum(calls) - 3
+    assert 0 < found["postsPerSecond"] <= timed / 0.1  # over at least the seconds asked for
 
     def refused() -> None:
         raise ConnectionRefusedError
 
     with pytest.raises(RuntimeError, match="a producer thread failed: ConnectionRefusedError"):
-        threaded_posts([post, refused], seconds=0.1)
+        threaded_posts([poster(0), refused], seconds=0.1)
 
 
 def test_disk_check_refuses_a_queue_that_does_not_fit(tmp_path):
@@ -390,7 +395,6 @@ def test_the_measures_names_of_earlier_builds_are_the_server_alone_ones():
     assert expand(["posts", "end-to-end", "round-trip"]) == ("server-posts", "server-end-to-end", "server-round-trip")
 
 
-
 def test_client_cpu_is_measured_against_stub_servers_without_a_server_of_ours(tmp_path):
     report, progress = run_bench(tmp_path, "--quick", "--only", "client-cpu")
 
@@ -437,6 +441,7 @@ async def test_the_http_stub_answers_a_producer_as_the_server_does():
             result = await asyncio.to_thread(producer.result, "jobs", item_id, timeout=5)
     finally:
         server.close()
+        await server.wait_closed()
 
     assert [item["status"] for item in posted] == ["pending"] * 3
     assert len({item["id"] for item in posted} | {item_id}) == 4  # a new id each post
@@ -472,6 +477,7 @@ async def test_the_work_stub_speaks_the_socket_protocol_to_a_real_worker(concurr
     finally:
         working.cancel()
         server.close()
+        await server.wait_closed()
 
     assert stub.handed_out == 10
     assert sorted(stub.acked) == sorted(handled) and len(set(handled)) == 10

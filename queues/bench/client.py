@@ -26,8 +26,8 @@ class TaskhosterSystem:
     def post(self) -> str:
         return self.producer.post(self.queue, PAYLOAD)["id"]
 
-    def result(self, handle: str) -> None:
-        self.producer.result(self.queue, handle, timeout=RESULT_TIMEOUT)  # raises if failed or late
+    def result(self, handle: str, *, timeout: float = RESULT_TIMEOUT) -> None:
+        self.producer.result(self.queue, handle, timeout=timeout)  # raises if failed or late
 
     def wait_all(self, handles: list, *, timeout: float) -> None:
         """The queue's counts (one call each) until every item posted since `begin()` has ended."""

@@ -161,7 +161,7 @@ def check(settings: BenchSettings) -> None:
         raise BadSettings("--keyed-items must be at least 10 (a keyed post is measured beside 10 and beside them)")
     if settings.post_seconds <= 0:
         raise BadSettings("--post-seconds must be more than 0")
-    if settings.cpu_calls < client_cpu.BATCH:
+    if "client-cpu" in settings.measures and settings.cpu_calls < client_cpu.BATCH:
         raise BadSettings(f"--cpu-calls must be at least {client_cpu.BATCH} (a batched worker's items come "
                           f"{client_cpu.BATCH} a claim)")
     unknown = set(settings.measures) - set(MEASURES)
@@ -381,7 +381,7 @@ def _api_figures(
                     found = client.concurrent_posts(
                         url, token, settings.post_queue, threads=threads, seconds=settings.post_seconds
                     )
-                    server_cpu.record(f"perPost{threads}Producers", since, found["postsPerSecond"] * settings.post_seconds)
+                    server_cpu.record(f"perPost{threads}Producers", since, found["posts"])
                 mine["concurrentProducers"][str(threads)] = found
         if "client-batches" in measures:
             say(f"{label}: client: Producer.post_many, {settings.batch} items a call, {settings.post_seconds:g} s")

@@ -49,6 +49,7 @@ PEERS = ("celery", "rq")
 EXTRA_MODULES = ("celery", "rq", "redis")
 WARM_UP_TIMEOUT = 60.0
 STOP_TIMEOUT = 15.0
+LONGEST_READ_SECONDS = 600.0  # a reply from Redis: longer than any result is waited for
 RQ_QUEUE = "bench"
 CELERY_WORKERS = "2 --pool solo processes"
 PRODUCER_THREADS = "celery: the threads share one app; rq: a Queue and a Redis client per thread"
@@ -242,8 +243,8 @@ class CelerySystem(_PeerSystem):
     def post(self):
         return self.task.delay(workload.PAYLOAD)
 
-    def result(self, handle) -> None:
-        handle.get(timeout=workload.RESULT_TIMEOUT)  # raises the task's error, or TimeoutError
+    def result(self, handle, *, timeout: float = workload.RESULT_TIMEOUT) -> None:
+        handle.get(timeout=timeout)  # raises the task's error, or TimeoutError
 
     def wait_all(self, handles: list, *, timeout: float) -> None:
         self._result_set(handles, app=self.app).join_native(timeout=timeout)
@@ -265,8 +266,8 @@ class RqSystem(_PeerSystem):
         from redis import Redis
 
         # redis-py 8 gives up on a read after 5 s; a result waited for may take longer (RQ blocks
-        # on the job's result stream)
-        return Redis.from_url(self.redis_url, socket_timeout=workload.RESULT_TIMEOUT + 10)
+        # on the job's result stream, for as long as the bench asks: Redis itself ends the block)
+        return Redis.from_url(self.redis_url, socket_timeout=LONGEST_READ_SECONDS)
 
     def _start_workers(self, count: int, log_dir: Path) -> WorkerProcesses:
         return WorkerProcesses(
@@ -312,8 +313,8 @@ class RqSystem(_PeerSystem):
 
         return self.queue.enqueue(noop, workload.PAYLOAD)
 
-    def result(self, handle) -> None:
-        self._outcome(handle, timeout=workload.RESULT_TIMEOUT)
+    def result(self, handle, *, timeout: float = workload.RESULT_TIMEOUT) -> None:
+        self._outcome(handle, timeout=timeout)
 
     def wait_all(self, handles: list, *, timeout: float) -> None:
         """The finished registry's count (one call each) until every job is in it."""

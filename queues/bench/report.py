@@ -22,7 +22,7 @@ The JSON line (one line on stdout; progress and a readable summary go to stderr)
       enqueuePerSecond     --items single posts, one Producer.post each, while the workers consume
       endToEndPerSecond    the same items, from the first post until every result is in
       roundTripMs          {p50, p95, p99}: Producer.post, a Worker, Producer.result(), one at a time
-      concurrentProducers  {"N": {postsPerSecond, postMs {p50, p99}}}: N threads with a Producer
+      concurrentProducers  {"N": {postsPerSecond, postMs {p50, p99}, posts}}: N threads with a Producer
                            each, posting single items to a queue no worker works
       postManyItemsPerSecond  Producer.post_many, --batch items a call, to that queue
       keyed                {singlePostsPerSecond, postManyItemsPerSecond}: each {plain, keyed},

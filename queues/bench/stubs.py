@@ -16,6 +16,7 @@ their CPU is counted as the client's.
 import asyncio
 import itertools
 import json
+import selectors
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +25,7 @@ from websockets.asyncio.server import ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 
 PROJECT_DIR = Path(__file__).resolve().parents[2]
+START_TIMEOUT = 60.0  # a busy machine starts Python slowly
 STOP_TIMEOUT = 10.0
 # timestamps as the server writes them: a claim's lease of 60 s
 POSTED_AT, CLAIMED_AT, LEASE_EXPIRES_AT = "2026-12-01T22:17:47.391Z", "2026-12-01T22:17:48.002Z", "2026-12-01T22:18:48.002Z"
@@ -159,14 +161,22 @@ class StubServers:
             [sys.executable, "-m", "queues.bench.stubs"], cwd=PROJECT_DIR,
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
         )
-        line = self._process.stdout.readline()
-        if not line:
+        try:
+            ports = json.loads(self._first_line())
+            self.http_url = f"http://127.0.0.1:{ports['http']}"
+            self.work_url = f"http://127.0.0.1:{ports['work']}"
+        except BaseException:
             self._stop()
-            raise RuntimeError("the stub servers did not start (python -m queues.bench.stubs)")
-        ports = json.loads(line)
-        self.http_url = f"http://127.0.0.1:{ports['http']}"
-        self.work_url = f"http://127.0.0.1:{ports['work']}"
+            raise
         return self
+
+    def _first_line(self) -> str:
+        """The ports the stubs print once listening; RuntimeError if they do not within START_TIMEOUT."""
+        with selectors.DefaultSelector() as selector:
+            selector.register(self._process.stdout, selectors.EVENT_READ)
+            if selector.select(START_TIMEOUT) and (line := self._process.stdout.readline()):
+                return line
+        raise RuntimeError(f"the stub servers did not start within {START_TIMEOUT:g} s (python -m queues.bench.stubs)")
 
     def __exit__(self, *exc_info) -> None:
         self._stop()
