@@ -185,6 +185,21 @@ def test_repair_settles_an_id_in_two_states_done_first(store, config):
     assert store.sweep_queue(config=config).repaired == []
 
 
+def test_the_next_sweep_settles_an_item_given_back_for_later_whose_old_copy_stayed(store, clock, config):
+    """G1: a release for later whose removal of the processing copy failed (or was cut short)
+    leaves two copies; the next sweep keeps the scheduled one, long before the lease lapses."""
+    long_lease = replace(config, lease_seconds=3600)
+    (item_id,) = post(store)
+    claim = claim_one(store, long_lease)
+    held = (queue_dir(store) / "processing" / f"{item_id}.json").read_bytes()
+    release(store, long_lease, item_id, claim.claim_token, delay=60)
+    (queue_dir(store) / "processing" / f"{item_id}.json").write_bytes(held)  # the removal that failed
+    assert states_of(store, item_id) == ["scheduled", "processing"]
+    assert store.sweep_queue(config=long_lease).repaired == [item_id]
+    assert states_of(store, item_id) == ["scheduled"]
+    assert store.read_item(queue=Q, item_id=item_id).status == "scheduled"
+
+
 def test_a_lapsed_lease_never_resurrects_a_stray_copy_of_a_done_item(store, clock, config):
     (item_id,) = post(store)
     claim_one(store, config)

@@ -49,12 +49,18 @@ def sweep_queue(items: ItemFiles, config: QueueConfig) -> SweepChanges:
 
 def _repair(items: ItemFiles, queue: str, listing: dict[str, list[str]]) -> list[str]:
     """Quarantine names that are not item files, and settle every id found in two states (a
-    crash mid-transition): done wins, then pending."""
+    crash mid-transition): the copy kept is the first in KEEP_FIRST (done, then pending, then
+    scheduled)."""
     for state, names in listing.items():
         for name in _not_item_files(names):
             items.quarantine(queue, state, name)
+    doubled = _doubled(*listing.values())
+    # scheduled/ is not listed: an item given back for later by a transition that died before it
+    # removed the processing copy is found from processing/ (few items: one stat each)
+    doubled.update(name for name in listing["processing"]
+                   if files.exists(items.layout.in_directory(queue, "scheduled", name)))
     repaired = []
-    for name in sorted(_doubled(*listing.values())):
+    for name in sorted(doubled):
         item_id = item_id_of(name)
         if item_id is None:
             continue
@@ -99,11 +105,6 @@ def _requeue_lapsed(items: ItemFiles, config: QueueConfig, names: list[str]) -> 
             continue  # gone, or the mtime (the lease expiry) says it still runs
         with items.lock(queue, item_id):
             found = items.find(queue, item_id)  # the copy that wins: a stray copy stays put
-            if found is not None and found[0] in ("pending", "scheduled"):
-                # given back by a transition that died before removing the old copy (scheduled/
-                # is not listed by a pass, so the lapsed lease is where the two come to light)
-                files.remove(items.layout.item(queue, "processing", item_id))
-                continue
             if found is None or found[0] != "processing":
                 continue
             item = found[1]
