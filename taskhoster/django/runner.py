@@ -65,7 +65,7 @@ class TaskRunner:
         await sync_to_async(close_old_connections)()  # where the task's own ORM calls go
         try:
             args, kwargs = started.arguments
-            value = normalize_json(await started.result.task.func(*args, **kwargs))
+            value = await started.result.task.func(*args, **kwargs)
         except Exception as exc:
             return await loop.run_in_executor(self._threads, self._failed, started, exc)
         finally:
@@ -88,23 +88,30 @@ class TaskRunner:
     def _call_plain(self, started: Started) -> Any:
         try:
             args, kwargs = started.arguments
-            value = normalize_json(started.result.task.func(*args, **kwargs))
+            value = started.result.task.func(*args, **kwargs)
         except Exception as exc:
             return self._failed(started, exc)
         return self._returned(started, value)
 
     def _returned(self, started: Started, value: Any) -> Any:
+        """A run that returned. A value that is not JSON fails the task for good: the task ran,
+        and another try would return the same, so it is not run again."""
+        try:
+            value = normalize_json(value)
+        except Exception as exc:
+            return self._failed(started, exc, final=True)
         self._set(started.result, status=TaskResultStatus.SUCCESSFUL, finished_at=timezone.now(),
                   _return_value=value)
         task_finished.send(type(self._backend), task_result=started.result)
         close_old_connections()
         return returned(value, started.runs)
 
-    def _failed(self, started: Started, exc: Exception) -> Any:
-        """A run raised `exc`. Called from the except clause of a plain task, so the receivers of
-        task_finished find it in sys.exc_info() there, as with the framework's own backends."""
+    def _failed(self, started: Started, exc: Exception, *, final: bool = False) -> Any:
+        """A run raised `exc` (`final`: the task is not to be tried again). Called from an except
+        clause, so the receivers of task_finished find it in sys.exc_info() there, as with the
+        framework's own backends."""
         error = raised(exc, started.runs)
-        final = self._is_final(started.job)
+        final = final or self._is_final(started.job)
         started.result.errors.append(TaskError(exception_class_path=error["exceptionClass"],
                                                traceback=error["traceback"]))
         if final:
@@ -113,14 +120,14 @@ class TaskRunner:
             self._set(started.result, status=TaskResultStatus.READY)
         task_finished.send(type(self._backend), task_result=started.result)
         close_old_connections()
-        return self._give_up_or_retry(started.job, error, exc)
+        return self._give_up_or_retry(started.job, error, exc, final=final)
 
     # -- either side -----------------------------------------------------------------------------
 
-    def _give_up_or_retry(self, job: Job, error: dict, exc: Exception) -> Any:
+    def _give_up_or_retry(self, job: Job, error: dict, exc: Exception, *, final: bool = False) -> Any:
         """The result of a last try that raised; on an earlier try, HandlerFailed: the Worker gives
         the item back, after a backoff, with the error as its lastError."""
-        if self._is_final(job):
+        if final or self._is_final(job):
             log.warning("%s %s failed on its last try (%d): %r", job.queue, job.id, job.attempts, exc)
             return {"error": error}
         raise HandlerFailed(error)

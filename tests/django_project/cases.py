@@ -129,6 +129,7 @@ def test_a_return_value_that_is_not_json_fails_the_task():
     result = ended(tasks.returns_no_json.enqueue())
     assert result.status == TaskResultStatus.FAILED
     assert result.errors[-1].exception_class is TypeError
+    assert result.attempts == 1  # it ran: another try would return the same, so none is made
 
 
 def test_the_worker_closes_old_database_connections_between_tasks():
