@@ -108,6 +108,17 @@ def test_listtokens_shows_names_rights_and_queues_but_never_a_value():
     assert raw not in out.getvalue()
 
 
+def test_listtokens_shows_the_metrics_right():
+    createtoken("prometheus", "--metrics")
+    createtoken("ops", "--produce", "--metrics")
+    out = StringIO()
+
+    call_command("listtokens", stdout=out)
+
+    assert [line.split("\t")[:2] for line in out.getvalue().splitlines()] == [["ops", "produce+metrics"],
+                                                                              ["prometheus", "metrics"]]
+
+
 def test_revoketoken_deletes_the_named_token_and_the_server_refuses_it():
     raw = createtoken("old").strip()
     createtoken("kept")

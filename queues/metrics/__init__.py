@@ -4,6 +4,6 @@
                  durations are observed with the access log, in queues/access.py)
     transitions  the store's observer: counts items posted, claimed, given back and ended
     gauges       the queue gauges (read from the data directory, kept a while) and workers connected
-    workers      the /work sockets of this process and the queues they claim from
+    (workers connected come from the dashboard's roster, queues/roster.py)
     views        the /metrics endpoint: a token with the metrics right, or staff
 """

@@ -62,7 +62,7 @@ def _queues(where: str, queues: set[str]) -> tuple[str, ...]:
         raise ImproperlyConfigured(f"{where}['QUEUES'] must name the Taskhoster queues the tasks go to, "
                                    f"e.g. ['default']")
     for name in queues:
-        if not isinstance(name, str) or not QUEUE_NAME.match(name):
+        if not isinstance(name, str) or not QUEUE_NAME.fullmatch(name):
             raise ImproperlyConfigured(f"{where}['QUEUES']: {name!r} is not a Taskhoster queue name "
                                        f"(lowercase letters, digits, - and _, at most 64, not starting with - or _)")
     return tuple(sorted(queues))

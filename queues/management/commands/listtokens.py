@@ -5,7 +5,8 @@ from queues.models import ApiToken
 
 def describe(token: ApiToken) -> str:
     """One line: the name, its rights, its queues, when it was made and last used (never the value)."""
-    rights = "+".join(right for right, given in (("produce", token.can_produce), ("work", token.can_work)) if given)
+    given = (("produce", token.can_produce), ("work", token.can_work), ("metrics", token.can_read_metrics))
+    rights = "+".join(right for right, has in given if has)
     queues = ",".join(token.queues) or "every queue"
     used = token.last_used_at.strftime("%Y-%m-%d %H:%M UTC") if token.last_used_at else "never"
     return f"{token.name}\t{rights}\t{queues}\tmade {token.created_at:%Y-%m-%d %H:%M UTC}\tlast used {used}"
