@@ -6,11 +6,13 @@
 A task's queue_name is the Taskhoster queue its items go to; the result id is the item's id.
 """
 
+import asyncio
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime
 from functools import cached_property
 from threading import Lock
+from weakref import WeakKeyDictionary
 
 from asgiref.sync import sync_to_async
 from django.core import checks
@@ -118,17 +120,20 @@ class TaskhosterBackend(BaseTaskBackend):
 
 # The framework makes a backend for each thread, and under ASGI for each request: the producers,
 # and the connections they keep open, are shared by every backend with the same server and token.
-# An AsyncProducer keeps each connection on the event loop that opened it, so one serves them all.
-_producers: dict[tuple, Producer | AsyncProducer] = {}
+# An AsyncProducer's connections belong to the event loop that opened them, so each loop (one per
+# thread that runs asyncio.run, say) has producers of its own, dropped with it.
+_producers: dict[tuple, Producer] = {}
+_async_producers: WeakKeyDictionary[asyncio.AbstractEventLoop, dict[tuple, AsyncProducer]] = WeakKeyDictionary()
 _producers_lock = Lock()
 
 
 def _shared(kind: type, options: Options):
-    key = (kind, options.url, options.token, options.timeout)
+    key = (options.url, options.token, options.timeout)
     with _producers_lock:
-        if key not in _producers:
-            _producers[key] = kind(options.url, options.token, timeout=options.timeout)
-        return _producers[key]
+        made = _async_producers.setdefault(asyncio.get_running_loop(), {}) if kind is AsyncProducer else _producers
+        if key not in made:
+            made[key] = kind(options.url, options.token, timeout=options.timeout)
+        return made[key]
 
 
 @contextmanager

@@ -85,6 +85,25 @@ def test_a_sync_task_runs_and_what_it_returns_is_its_return_value():
     assert read.attempts == 1 and len(read.worker_ids) == 1 and read.errors == []
 
 
+def test_event_loops_in_two_threads_enqueue_at_once_each_with_a_producer_of_its_own():
+    from concurrent.futures import ThreadPoolExecutor
+
+    from taskhoster.django.framework import task_backends
+
+    async def enqueue_and_name_the_producer():
+        backend = task_backends["default"]
+        result = await tasks.greet.aenqueue("bo")
+        assert backend.async_producer is backend.async_producer  # shared within a loop
+        return result, backend.async_producer
+
+    with ThreadPoolExecutor(2) as threads:
+        runs = list(threads.map(lambda _: asyncio.run(enqueue_and_name_the_producer()), range(2)))
+
+    (_, first), (_, second) = runs
+    assert first is not second
+    assert all(ended(result).status == TaskResultStatus.SUCCESSFUL for result, _ in runs)
+
+
 def test_an_async_task_runs_enqueued_and_read_from_async_code():
     async def enqueue_and_wait():
         result = await tasks.greet.aenqueue("ana", punctuation="?")
