@@ -12,7 +12,6 @@ from taskhoster import Producer
 from .workload import PAYLOAD, RESULT_TIMEOUT, threaded_posts
 
 POLL_SECONDS = 0.01
-TERMINAL = ("finished", "failed")
 
 
 class TaskhosterSystem:

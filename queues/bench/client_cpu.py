@@ -32,7 +32,8 @@ from functools import partial
 
 from taskhoster import AsyncProducer, Producer, Worker
 
-from .stubs import PROJECT_DIR, StubServers
+from .servers import PROJECT_DIR
+from .stubs import StubServers
 from .workload import PAYLOAD
 
 TOKEN = "th_stub"  # the stubs take any

@@ -136,12 +136,16 @@ class WorkerProcesses:
         log_dir.mkdir(parents=True, exist_ok=True)
         self.logs = [log_dir / f"{name}-worker-{number}.log" for number in range(count)]
         self.processes = []
-        for number, log in enumerate(self.logs):
-            with open(log, "wb") as output:
-                self.processes.append(subprocess.Popen(
-                    [part.replace("{n}", str(number)) for part in command],
-                    cwd=PROJECT_DIR, env=env, stdout=output, stderr=subprocess.STDOUT,
-                ))
+        try:
+            for number, log in enumerate(self.logs):
+                with open(log, "wb") as output:
+                    self.processes.append(subprocess.Popen(
+                        [part.replace("{n}", str(number)) for part in command],
+                        cwd=PROJECT_DIR, env=env, stdout=output, stderr=subprocess.STDOUT,
+                    ))
+        except BaseException:
+            self.stop()  # the ones started before the one that failed
+            raise
 
     def check_alive(self) -> None:
         for process, log in zip(self.processes, self.logs):

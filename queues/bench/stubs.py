@@ -19,12 +19,12 @@ import json
 import selectors
 import subprocess
 import sys
-from pathlib import Path
 
 from websockets.asyncio.server import ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 
-PROJECT_DIR = Path(__file__).resolve().parents[2]
+from .servers import PROJECT_DIR
+
 START_TIMEOUT = 60.0  # a busy machine starts Python slowly
 STOP_TIMEOUT = 10.0
 # timestamps as the server writes them: a claim's lease of 60 s

@@ -21,13 +21,16 @@ class WorkerPool:
     def __init__(self, *, url: str, token: str, queue: str, count: int, claim_batch: int):
         self.queue = queue
         env = {**os.environ, "TASKHOSTER_URL": url, "TASKHOSTER_TOKEN": token, "PYTHONUNBUFFERED": "1"}
-        self.processes = [
-            subprocess.Popen(
-                [sys.executable, "-m", "queues.bench.worker", queue, str(claim_batch)],
-                cwd=PROJECT_DIR, env=env, stdout=subprocess.PIPE, text=True,
-            )
-            for _ in range(count)
-        ]
+        self.processes = []
+        try:
+            for _ in range(count):
+                self.processes.append(subprocess.Popen(
+                    [sys.executable, "-m", "queues.bench.worker", queue, str(claim_batch)],
+                    cwd=PROJECT_DIR, env=env, stdout=subprocess.PIPE, text=True,
+                ))
+        except BaseException:
+            self.stop()  # the ones started before the one that failed
+            raise
         self._warm = [threading.Event() for _ in self.processes]
         for process, warm in zip(self.processes, self._warm):
             threading.Thread(target=_watch, args=(process, warm), daemon=True).start()
