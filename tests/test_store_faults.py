@@ -182,6 +182,28 @@ def test_a_result_that_fails_leaves_the_item_as_it_was_and_the_next_try_is_accep
             assert picture(store, [item_id])[item_id][0] == ["done"]
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_failed_error_result_leaves_no_error_mark_and_the_next_try_is_counted_once(tmp_path, kind):
+    """An error-shaped result is marked in errors/ with its done file: a failed hand-in takes the
+    mark back with it, so counts never say an error the items do not have."""
+    def error_of(item_id):
+        return {"error": {"type": "ValueError", "message": item_id}}
+
+    def act(store, clock, ids):
+        return store.finish_items(results=[(CONFIG, item_id, error_of(item_id)) for item_id in ids])
+
+    walk = Walk(tmp_path, claimed, act)
+    for store, clock, ids, before, outcome in walk.each_fault(kind):
+        outcomes = [outcome] * len(ids) if isinstance(outcome, StorageUnavailable) else outcome
+        ended = [item_id for item_id, result in zip(ids, outcomes) if not isinstance(result, TaskhosterError)]
+        assert files_in(store, "errors") == sorted(ended)
+        assert store.count_items(queue=Q).errors == len(ended)
+        refused = [item_id for item_id in ids if item_id not in ended]
+        if refused:
+            store.finish_items(results=[(CONFIG, item_id, error_of(item_id)) for item_id in refused])
+        assert store.count_items(queue=Q).errors == len(ids)
+
+
 # ---- release, extend, fetch ------------------------------------------------------------------
 
 

@@ -400,9 +400,13 @@ class ItemFiles:
         that old file is there: once a sweep settled the two copies (done wins), done stays."""
         with self.lock(queue, done.id):
             if files.exists(self.layout.item(queue, state, done.id)):
-                files.remove_quietly(self.layout.item(queue, "done", done.id))
-                if _mark_of(done):
-                    files.remove_quietly(self.layout.mark(queue, _mark_of(done), done.id))
+                self._remove_done(queue, done)
+
+    def _remove_done(self, queue: str, done: Item) -> None:
+        """Take a done file whose flush failed back out, with its mark (call under its lock)."""
+        files.remove_quietly(self.layout.item(queue, "done", done.id))
+        if mark := _mark_of(done):
+            files.remove_quietly(self.layout.mark(queue, mark, done.id))
 
     def ended(self, queue: str, moved: list[tuple[str, Item]]) -> None:
         """After done/ was flushed: remove the items' old files, count them, and say they ended."""
@@ -429,9 +433,7 @@ class ItemFiles:
         try:
             self.flush_states(queue, *done_directories([done]))
         except BaseException:
-            files.remove_quietly(self.layout.item(queue, "done", done.id))
-            if _mark_of(done):
-                files.remove_quietly(self.layout.mark(queue, _mark_of(done), done.id))
+            self._remove_done(queue, done)
             raise
         self.ended(queue, [(state, done)])
         return True
