@@ -19,7 +19,7 @@ def banner(*, host: str, port: int) -> str:
         f"  API        http://{base}/api/schema   (every call, as an OpenAPI document)",
         f"  workers    ws://{base}/work",
         "Make a queue with: python manage.py createqueue NAME",
-        "Make an API token with: python manage.py createtoken NAME [--queues a,b] [--produce] [--work]",
+        "Make an API token with: python manage.py createtoken NAME [--queues a,b] [--produce] [--work] [--metrics]",
     ]
     if host in ANY_ADDRESS:
         lines.append(
