@@ -13,7 +13,7 @@ from client_support import client_env, live_server
 from http_stub import Reply, StubServer
 from taskhoster import ApiError, AsyncProducer, ConnectionFailed, Producer
 
-QUEUES = {"keyed": {}, "lossy": {}, "cli-keyed": {}}
+QUEUES = {"keyed": {}, "lossy": {}, "lossy-async": {}, "cli-keyed": {}}
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +90,22 @@ def test_a_producer_with_post_retries_sends_a_post_again_and_the_item_is_made_on
     assert posted["id"] == lost[1]["items"][0]["id"] and posted["duplicate"] is True
     assert item["key"] and posted["key"] and item["key"] != posted["key"]  # keys made for them
     assert producer.stats("lossy")["counts"]["pending"] == 2
+
+
+def test_an_async_producer_with_post_retries_sends_a_post_again_and_the_item_is_made_once(live, producer):
+    forward, lost = _losing_answers(live, 1, 3)
+
+    async def main(url):
+        async with AsyncProducer(url, live.token, post_retries=2) as retrying:
+            item = await retrying.post("lossy-async", {"n": 1})
+            [posted] = await retrying.post_many("lossy-async", [{"n": 2}])
+            return item, posted
+
+    with StubServer(forward) as network:
+        item, posted = asyncio.run(main(network.url))
+    assert item["id"] == lost[0]["id"]
+    assert posted["id"] == lost[1]["items"][0]["id"] and posted["duplicate"] is True
+    assert producer.stats("lossy-async")["counts"]["pending"] == 2
 
 
 def test_without_post_retries_a_lost_answer_is_an_error_and_no_key_is_made(live, producer):
