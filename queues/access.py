@@ -75,11 +75,12 @@ class AccessLog:
             outcome = str(status) if status else "no answer"  # the client went away first
             _observe(method, route_of(scope), outcome, took)
             if log.isEnabledFor(logging.INFO):
+                client = _client(scope)
                 log.info(
-                    "%s %s %s %.1f ms from %s", method, scope["path"], outcome, took * 1000, _client(scope),
+                    "%s %s %s %.1f ms from %s", method, scope["path"], outcome, took * 1000, client,
                     extra={"fields": {
                         "kind": "http", "method": method, "path": scope["path"], "status": status or None,
-                        "durationMs": round(took * 1000, 3), "client": _client(scope),
+                        "durationMs": round(took * 1000, 3), "client": client,
                     }},
                 )
 
@@ -119,11 +120,12 @@ class AccessLog:
             outcome = "ended"  # the server stopped the session's task
         else:
             outcome = f"closed by the {session['closedBy']} ({session['code']})"
+        client = _client(scope)
         log.info(
             "WS %s %s after %.3f s, %d frames in, %d out, from %s", scope["path"], outcome, took,
-            session["framesIn"], session["framesOut"], _client(scope),
+            session["framesIn"], session["framesOut"], client,
             extra={"fields": {
                 "kind": "websocket", "path": scope["path"], "outcome": outcome, "durationMs": round(took * 1000, 3),
-                **session, "client": _client(scope),
+                **session, "client": client,
             }},
         )

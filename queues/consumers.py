@@ -29,6 +29,7 @@ from .protocol import (
     MAX_RESULTS,
     MAX_SOCKET_CLAIM_WAIT_SECONDS,
     RECHECK_SECONDS,
+    bearer_token,
     claimed,
     integer_field,
     json_object,
@@ -70,10 +71,8 @@ def origin_allowed(scope) -> bool:
 def token_from(scope) -> str | None:
     """The token from `Authorization: Bearer ...`, else from `?token=`."""
     for name, value in scope["headers"]:
-        if name == b"authorization":
-            scheme, _, token = value.decode("latin-1").partition(" ")
-            if scheme.lower() == "bearer" and token.strip():
-                return token.strip()
+        if name == b"authorization" and (token := bearer_token(value.decode("latin-1"))):
+            return token
     tokens = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("token")
     return tokens[0] if tokens else None
 

@@ -1,6 +1,7 @@
-"""What the HTTP API and the /work socket share: the protocol's limits, strict parsing of JSON
-bodies and frames, their fields and query parameters (anything of the wrong shape is refused with
-a clear `invalid_json` or `invalid_request`), and the shape of a claimed item."""
+"""What the HTTP API and the /work socket share: the protocol's limits, the bearer token of an
+Authorization header, strict parsing of JSON bodies and frames, their fields and query parameters
+(anything of the wrong shape is refused with a clear `invalid_json` or `invalid_request`), and the
+shape of a claimed item."""
 
 import json
 import math
@@ -38,6 +39,12 @@ def _finite_float(text: str) -> float:
 
 
 _DECODER = json.JSONDecoder(parse_constant=_refuse_constant, parse_float=_finite_float)
+
+
+def bearer_token(authorization: str | None) -> str | None:
+    """The token of an `Authorization: Bearer <token>` header's value; None for any other value."""
+    scheme, _, token = (authorization or "").partition(" ")
+    return (token.strip() or None) if scheme.lower() == "bearer" else None
 
 
 def claimed(items: list, max_attempts: int | None) -> list[dict]:

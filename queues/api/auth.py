@@ -8,6 +8,7 @@ or whose name breaks the rule -> 404 unknown_queue.
 """
 
 from ..exceptions import Forbidden, Unauthorized, UnknownQueue
+from ..protocol import bearer_token
 from ..registry import TokenGrant
 from ..runtime import get_registry
 from ..store import QueueConfig
@@ -16,16 +17,8 @@ from .requests import Request
 PRODUCE, WORK = "produce", "work"
 
 
-def bearer_token(request: Request) -> str | None:
-    header = request.header(b"authorization")
-    if header is None:
-        return None
-    scheme, _, token = header.partition(" ")
-    return token.strip() if scheme.lower() == "bearer" else None
-
-
 async def authenticate(request: Request) -> TokenGrant:
-    grant = await get_registry().afind_token(bearer_token(request))
+    grant = await get_registry().afind_token(bearer_token(request.header(b"authorization")))
     if grant is None:
         raise Unauthorized("give a valid API token as 'Authorization: Bearer <token>'")
     if not grant.uses_queues:

@@ -6,6 +6,7 @@ from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.http import require_GET
 from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 
+from ..protocol import bearer_token
 from ..runtime import get_registry
 from .families import REGISTRY
 from .gauges import queue_figures
@@ -13,16 +14,9 @@ from .gauges import queue_figures
 DENIED = {401: "unauthorized", 403: "forbidden"}
 
 
-def _bearer_token(request: HttpRequest) -> str | None:
-    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-    if scheme.lower() != "bearer":
-        return None
-    return token.strip() or None
-
-
 async def _refusal(request: HttpRequest) -> tuple[int, str] | None:
     """Why this caller may not read the metrics (status, message); None if it may."""
-    token = _bearer_token(request)
+    token = bearer_token(request.headers.get("Authorization"))
     if token is not None:
         grant = await get_registry().afind_token(token)
         if grant is None:
