@@ -25,6 +25,7 @@ from queues.access import AccessLog  # noqa: E402
 from queues.api import application as api_application  # noqa: E402
 from queues.consumers import WorkConsumer  # noqa: E402
 from queues.dashboard.consumers import LIVE_PATH, DashboardConsumer  # noqa: E402
+from queues.serving.stopping import AnswerWhenCut  # noqa: E402
 
 http_routes = [
     # (path prefix, ASGI app): first match wins; added by the API.
@@ -55,12 +56,15 @@ class PathDispatcher:
         return await self.default(scope, receive, send)
 
 
-# every request and socket session timed and logged once (queues/access.py)
+# every request and socket session timed and logged once (queues/access.py), a request cut by a
+# stop with the 503 it was answered
 application = AccessLog(
-    ProtocolTypeRouter(
-        {
-            "http": PathDispatcher(http_routes, ASGIStaticFilesHandler(django_application)),
-            "websocket": URLRouter(websocket_urlpatterns),
-        }
+    AnswerWhenCut(
+        ProtocolTypeRouter(
+            {
+                "http": PathDispatcher(http_routes, ASGIStaticFilesHandler(django_application)),
+                "websocket": URLRouter(websocket_urlpatterns),
+            }
+        )
     )
 )

@@ -116,3 +116,4 @@ def test_a_second_signal_ends_the_grace_at_once(deployment):
         request.join(WAIT)
         assert request.answer.status_code == 503  # cut, and told to try again
         assert request.answer.json()["error"] == "busy" and request.answer.headers["retry-after"] == "1"
+    assert f"GET /api/queues/waiting/items/{waiting_id} 503 " in server.output()  # logged as answered

@@ -23,7 +23,6 @@ from ..runtime import get_registry, get_store
 from ..sweep import PROMOTE_SECONDS, Promoter, Sweeper
 from .banner import busy_port_hint
 from .limits import HEAD_TIMEOUT_SECONDS, MAX_HEAD_BYTES, SWEEP_STOP_SECONDS, max_connections, raise_descriptor_limit
-from .stopping import AnswerWhenCut
 
 __all__ = ["DEFAULT_SERVER", "HEAD_TIMEOUT_SECONDS", "MAX_HEAD_BYTES", "SERVERS", "max_connections", "serve"]
 
@@ -85,7 +84,7 @@ def serve(*, host: str, port: int, ready: Ready, server: str = DEFAULT_SERVER) -
 
     try:
         listening = run(
-            AnswerWhenCut(application), host=host, port=port, ready=ready, background=background_tasks(), max_connections=connections
+            application, host=host, port=port, ready=ready, background=background_tasks(), max_connections=connections
         )
     finally:
         stop_sweeping.set()
