@@ -69,6 +69,7 @@ def test_quick_bench_reports_every_figure_for_both_fsync_modes(tmp_path):
     assert settings["fsync"] == ["on", "off"] and "peers" not in settings
     assert set(report) == {"settings", "disk", "clientCpu", "taskhoster", "storeAlone", "ratios"}
     assert_percentiles(report["disk"]["flushMs"], "p50", "p99")
+    assert_percentiles(report["disk"]["createUs"], "p50", "p99")
     assert set(report["clientCpu"]) == CLIENT_CPU and settings["cpuCalls"] == 200
     assert_all_positive(report["clientCpu"])
     assert set(report["taskhoster"]) == {"fsync on", "fsync off"}

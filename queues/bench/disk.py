@@ -1,7 +1,12 @@
 """What the disk under the data directory takes to make one small file durable: write it, fsync
 it, fsync its directory. A post answered with fsync on does at least that, so no such post can be
 answered faster than this flush (and one producer posting one item at a time gets at most
-1000 / p50 posts per second)."""
+1000 / p50 posts per second).
+
+And what making the file alone took: every post and every result makes one. On ext4 without a
+journal it swings from tens of microseconds to a millisecond with how many files were deleted in
+the last minute or more (their inodes are passed over one by one), so it tells whether the disk
+was rested."""
 
 import os
 import time
@@ -12,18 +17,19 @@ from .workload import percentiles
 FILE_BYTES = 200  # about one small item's file
 
 
-def flush_ms(directory: Path, *, tries: int) -> dict[str, float]:
+def measure(directory: Path, *, tries: int) -> dict[str, dict[str, float]]:
     """`tries` new files of FILE_BYTES in `directory` (made if missing), each written, fsynced
-    and its directory fsynced: that flush's p50 and p99 in milliseconds. The files are left for
-    the caller's clean-up."""
+    and its directory fsynced: that flush's p50 and p99 in milliseconds (flushMs), and the making
+    of each file's in microseconds (createUs). The files are left for the caller's clean-up."""
     directory.mkdir(parents=True, exist_ok=True)
     data = b"x" * FILE_BYTES
-    took = []
+    took, made = [], []
     folder = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
     try:
         for number in range(tries):
             started = time.perf_counter()
             descriptor = os.open(directory / f"flush-{number}", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            made.append((time.perf_counter() - started) * 1e6)
             try:
                 os.write(descriptor, data)
                 os.fsync(descriptor)
@@ -33,4 +39,4 @@ def flush_ms(directory: Path, *, tries: int) -> dict[str, float]:
             took.append((time.perf_counter() - started) * 1000)
     finally:
         os.close(folder)
-    return percentiles(took, 50, 99)
+    return {"flushMs": percentiles(took, 50, 99), "createUs": percentiles(made, 50, 99)}

@@ -7,6 +7,10 @@ The JSON line (one line on stdout; progress and a readable summary go to stderr)
                the peers' workers and concurrent producers are set up
   disk.flushMs {p50, p99}: one 200-byte file written, fsynced, its directory fsynced, in
                TMPDIR; no post answered with fsync on can be faster than this
+  disk.createUs {p50, p99}: making that file alone, in microseconds: every post and result
+               makes one; on ext4 without a journal it grows with the files deleted in the last
+               minute (five, until their inodes are written back), so a high figure says the
+               disk was not rested
   clientCpu    the client library's own CPU (user + system) per call, mean ms over --cpu-calls
                calls after untimed ones, in a process holding only the client, against stub
                servers in a process of their own (no Taskhoster server: it runs with --url too):
@@ -130,6 +134,10 @@ def summary(figures: dict) -> list[str]:
             f"p99 {flush['p99']:.3g} ms: no fsync-on post is answered faster (one producer, one post at a "
             f"time: at most {1000 / flush['p50']:,.0f} posts/s)"
         )
+    made = figures.get("disk", {}).get("createUs")
+    if made:
+        lines.append(f"disk: making that file p50 {made['p50']:,.0f} µs, p99 {made['p99']:,.0f} µs (tens of µs on a "
+                     f"rested disk; ext4 without a journal passes over the files deleted in the last minutes)")
     rows = [(f"taskhoster {mode}, client", parts["client"]) for mode, parts in figures.get("taskhoster", {}).items()
             if "client" in parts]
     rows += list(figures.get("peers", {}).items())
