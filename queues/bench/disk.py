@@ -19,8 +19,8 @@ FILE_BYTES = 200  # about one small item's file
 
 def measure(directory: Path, *, tries: int) -> dict[str, dict[str, float]]:
     """`tries` new files of FILE_BYTES in `directory` (made if missing), each written, fsynced
-    and its directory fsynced: that flush's p50 and p99 in milliseconds (flushMs), and the making
-    of each file's in microseconds (createUs). The files are left for the caller's clean-up."""
+    and its directory fsynced: that flush's p50 and p99 in milliseconds (flushMs), and those of
+    making the file alone in microseconds (createUs). The files are left for the caller's clean-up."""
     directory.mkdir(parents=True, exist_ok=True)
     data = b"x" * FILE_BYTES
     took, made = [], []
