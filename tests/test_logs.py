@@ -1,6 +1,7 @@
 """The log: one line per HTTP request and per socket session, with its duration and outcome;
 TASKHOSTER_LOG_FORMAT=json writes one JSON object per line, TASKHOSTER_LOG_LEVEL filters."""
 
+import asyncio
 import json
 import logging
 import subprocess
@@ -12,6 +13,8 @@ from channels.testing import WebsocketCommunicator
 
 from api_support import api, bearer, queues, tokens  # noqa: F401  (fixtures)
 from serverproc import MANAGE, PROJECT_DIR, Deployment
+from queues.access import AccessLog
+from queues.serving.stopping import AnswerWhenCut
 from taskhoster_site.asgi import application
 from taskhoster_site.logs import JsonFormatter, TextFormatter, logging_config
 
@@ -114,3 +117,64 @@ def test_a_served_process_logs_json_lines_at_the_level_asked(tmp_path):
         httpx.get(f"{server.url}/api/queues/jobs", headers={"Authorization": f"Bearer {quiet.token}"})
         assert server.stop() == 0
     assert "taskhoster.access" not in server.output() and "/api/queues/jobs" not in server.output()
+
+
+def _http_scope(path: str, query: bytes = b"", headers: dict[str, str] | None = None) -> dict:
+    return {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "GET", "scheme": "http",
+        "path": path, "raw_path": path.encode(), "query_string": query, "root_path": "",
+        "headers": [(name.lower().encode(), value.encode()) for name, value in (headers or {}).items()],
+        "client": ("127.0.0.1", 50000), "server": ("127.0.0.1", 8000),
+    }
+
+
+async def _cut(app, scope: dict, receive) -> list[dict]:
+    """Run a request until it waits, then cancel it as a stop does: what the server was sent."""
+    sent = []
+
+    async def send(message):
+        sent.append(message)
+
+    task = asyncio.ensure_future(app(scope, receive, send))
+    for _ in range(20):  # let it reach its wait: a cut before then is answered the same
+        await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    return sent
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_a_request_cut_by_a_stop_is_answered_503_and_logged_with_it(api, queues, tokens, access):
+    posted = await api.post("/api/queues/jobs/items", json={"payload": 1}, headers=bearer(tokens["producer"]))
+    item_path = f"/api/queues/jobs/items/{posted.json()['id']}"
+    asked = asyncio.Event()
+
+    async def receive():
+        if not asked.is_set():
+            asked.set()
+            return {"type": "http.request", "body": b"", "more_body": False}
+        await asyncio.Event().wait()  # the client stays
+
+    scope = _http_scope(item_path, b"wait=30", bearer(tokens["producer"]))
+    sent = await _cut(application, scope, receive)
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 503
+    line = access()[-1]
+    assert (line.fields["path"], line.fields["status"]) == (item_path, 503)
+
+
+async def test_a_request_whose_client_left_is_not_answered_when_cut_and_logged_so(access):
+    async def waits_on_after_the_client_left(scope, receive, send):
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        await asyncio.Event().wait()  # as a view that never looks again
+
+    messages = iter([{"type": "http.request", "body": b"", "more_body": False}, {"type": "http.disconnect"}])
+
+    async def receive():
+        return next(messages)
+
+    sent = await _cut(AccessLog(AnswerWhenCut(waits_on_after_the_client_left)), _http_scope("/api/queues"), receive)
+    assert sent == []
+    line = access()[-1]
+    assert (line.fields["status"], line.getMessage().split()[2:4]) == (None, ["no", "answer"])

@@ -3,10 +3,9 @@ it, fsync its directory. A post answered with fsync on does at least that, so no
 answered faster than this flush (and one producer posting one item at a time gets at most
 1000 / p50 posts per second).
 
-And what making the file alone took: every post and every result makes one. On ext4 without a
-journal it swings from tens of microseconds to a millisecond with how many files were deleted in
-the last minute or more (their inodes are passed over one by one), so it tells whether the disk
-was rested."""
+And what making the file alone took: every post and every result makes one, and on ext4 without
+a journal it grows with the files deleted in the last minutes (their inodes are passed over one
+by one), so it tells whether the disk was rested (docs/performance.md)."""
 
 import os
 import time
@@ -27,8 +26,9 @@ def measure(directory: Path, *, tries: int) -> dict[str, dict[str, float]]:
     folder = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
     try:
         for number in range(tries):
+            path = directory / f"flush-{number}"
             started = time.perf_counter()
-            descriptor = os.open(directory / f"flush-{number}", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             made.append((time.perf_counter() - started) * 1e6)
             try:
                 os.write(descriptor, data)

@@ -253,7 +253,7 @@ def _own_figures(settings: BenchSettings, figures: dict, root: Path, say: Say) -
         say(f"the disk: {settings.flush_tries} small files made durable in {directory}")
         measured = figures["disk"] = disk.measure(directory, tries=settings.flush_tries)
         say(f"the disk: flush p50 {measured['flushMs']['p50']:.3g} ms, p99 {measured['flushMs']['p99']:.3g} ms "
-            f"(no post answered with fsync on can be faster); making a file p50 {measured['createUs']['p50']:.3g} µs")
+            f"(no post answered with fsync on can be faster); making a file p50 {measured['createUs']['p50']:,.0f} µs")
     ours = figures["taskhoster"] = {}
     if set(API_MEASURES) & set(settings.measures):
         for fsync in settings.fsync:

@@ -9,8 +9,7 @@ The JSON line (one line on stdout; progress and a readable summary go to stderr)
                TMPDIR; no post answered with fsync on can be faster than this
   disk.createUs {p50, p99}: making that file alone, in microseconds: every post and result
                makes one; on ext4 without a journal it grows with the files deleted in the last
-               minute (five, until their inodes are written back), so a high figure says the
-               disk was not rested
+               minutes, so a high figure says the disk was not rested (docs/performance.md)
   clientCpu    the client library's own CPU (user + system) per call, mean ms over --cpu-calls
                calls after untimed ones, in a process holding only the client, against stub
                servers in a process of their own (no Taskhoster server: it runs with --url too):
@@ -136,8 +135,8 @@ def summary(figures: dict) -> list[str]:
         )
     made = figures.get("disk", {}).get("createUs")
     if made:
-        lines.append(f"disk: making that file p50 {made['p50']:,.0f} µs, p99 {made['p99']:,.0f} µs (tens of µs on a "
-                     f"rested disk; ext4 without a journal passes over the files deleted in the last minutes)")
+        lines.append(f"disk: making that file p50 {made['p50']:,.0f} µs, p99 {made['p99']:,.0f} µs (on ext4 without a "
+                     f"journal, high after many files were deleted in the last minutes: let the disk rest)")
     rows = [(f"taskhoster {mode}, client", parts["client"]) for mode, parts in figures.get("taskhoster", {}).items()
             if "client" in parts]
     rows += list(figures.get("peers", {}).items())

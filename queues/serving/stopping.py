@@ -1,7 +1,8 @@
 """What a request cut by a stop is answered: a server that stops cancels the requests still
 running when its grace ends (or at once, on a second signal). One that has not begun its answer
 gets 503 `busy` with Retry-After, which clients take as "try again", rather than the server's
-bare 500."""
+bare 500. One whose client has gone (daphne cancels those too) gets nothing: nobody would read
+it, and the access log says "no answer"."""
 
 import asyncio
 import json
@@ -18,7 +19,13 @@ class AnswerWhenCut:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.application(scope, receive, send)
-        started = False
+        started = gone = False
+
+        async def receiving():
+            nonlocal gone
+            message = await receive()
+            gone = gone or message["type"] == "http.disconnect"
+            return message
 
         async def sending(message):
             nonlocal started
@@ -26,9 +33,9 @@ class AnswerWhenCut:
             await send(message)
 
         try:
-            await self.application(scope, receive, sending)
+            await self.application(scope, receiving, sending)
         except asyncio.CancelledError:
-            if not started:
+            if not started and not gone:
                 await _answer_stopping(send)
             raise
 
