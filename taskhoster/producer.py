@@ -299,7 +299,8 @@ class Producer:
 
 class AsyncProducer:
     """`Producer` for asyncio: the same methods, awaited. Tasks may call it at once. Use
-    `async with`, or await aclose()."""
+    `async with`, or await aclose(). Use it from one event loop: its connections belong to the
+    loop that opened them."""
 
     def __init__(self, url: str | None = None, token: str | None = None, *, timeout: float = 30.0,
                  post_retries: int = 0):

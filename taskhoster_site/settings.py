@@ -7,6 +7,7 @@ data directory (`var/`, the key file, a SQLite database) is owner-only.
 """
 
 import hashlib
+import math
 from pathlib import Path
 
 import environ
@@ -75,9 +76,13 @@ TASKHOSTER_FSYNC = env.bool("TASKHOSTER_FSYNC", default=True)
 TASKHOSTER_MAX_PAYLOAD_BYTES = env.int("TASKHOSTER_MAX_PAYLOAD_BYTES", default=1 << 20)
 TASKHOSTER_MAX_BODY_BYTES = env.int("TASKHOSTER_MAX_BODY_BYTES", default=16 << 20)
 # on SIGTERM, how long requests in flight may go on before they are cut (a second signal: none)
-TASKHOSTER_STOP_GRACE_SECONDS = env.float("TASKHOSTER_STOP_GRACE_SECONDS", default=3.0)
-if TASKHOSTER_STOP_GRACE_SECONDS < 0:
-    raise ImproperlyConfigured(f"Set TASKHOSTER_STOP_GRACE_SECONDS to 0 or more seconds, not {TASKHOSTER_STOP_GRACE_SECONDS:g}.")
+_grace = env.str("TASKHOSTER_STOP_GRACE_SECONDS", default="3")
+try:
+    TASKHOSTER_STOP_GRACE_SECONDS = float(_grace)
+except ValueError:
+    TASKHOSTER_STOP_GRACE_SECONDS = math.nan
+if not TASKHOSTER_STOP_GRACE_SECONDS >= 0:  # NaN too
+    raise ImproperlyConfigured(f"Set TASKHOSTER_STOP_GRACE_SECONDS to 0 or more seconds, not {_grace!r}.")
 # unset: 64 MiB, but at most 5% of the data directory's file system (queues/store/transitions.py)
 TASKHOSTER_MIN_FREE_BYTES = env.int("TASKHOSTER_MIN_FREE_BYTES", default=None)
 

@@ -145,7 +145,8 @@ def test_ratios_read_above_one_when_taskhoster_is_better():
             "concurrentProducers": {"1": {"postsPerSecond": 50.0, "postMs": {"p50": 1.0, "p99": 2.0}}},
             "postManyItemsPerSecond": 1000.0}
     theirs = {"enqueuePerSecond": 100.0, "endToEndPerSecond": 400.0, "roundTripMs": {"p50": 4.0, "p95": 4.0, "p99": 2.0}}
-    figures = {"taskhoster": {"fsync on": {"client": ours, "serverAlone": {"singlePostsPerSecond": 10.0}}},
+    figures = {"settings": {"claimBatch": 1},
+               "taskhoster": {"fsync on": {"client": ours, "serverAlone": {"singlePostsPerSecond": 10.0}}},
                "peers": {"celery (redis in memory)": theirs}}
 
     found = ratios(figures)
@@ -157,6 +158,12 @@ def test_ratios_read_above_one_when_taskhoster_is_better():
     # our batches against our one-producer single posts, never against a peer's figure
     assert found["batchesOverSingles"] == {"fsync on": {"client": 20.0}}
     assert any("above 1 = Taskhoster better" in line for line in summary({**figures, "ratios": found}))
+
+
+def test_end_to_end_is_set_against_the_peers_only_when_our_workers_claimed_one_item_at_a_time():
+    ours, theirs = {"enqueuePerSecond": 200.0, "endToEndPerSecond": 100.0}, {"enqueuePerSecond": 100.0, "endToEndPerSecond": 50.0}
+    figures = {"settings": {"claimBatch": 100}, "taskhoster": {"fsync on": {"client": ours}}, "peers": {"rq": theirs}}
+    assert ratios(figures)["taskhosterVsPeers"] == {"fsync on": {"rq": {"enqueueOursOverTheirs": 2.0}}}
 
 
 def test_ratios_set_our_concurrent_producers_against_theirs_per_thread_count():
@@ -217,6 +224,8 @@ def test_bench_runs_the_peers_on_their_own_redis(tmp_path):
     assert set(against) == PEER_LABELS
     for ratio in against.values():
         assert set(ratio["concurrentProducersOursOverTheirs"]) == {"1", "3"}
+        assert "endToEndOursOverTheirs" in ratio  # our workers claimed one at a time, as the peers take one
+    assert report["settings"]["claimBatch"] == 1
     assert_all_positive(report["ratios"])
     assert set(report["settings"]["peerVersions"]) == {"celery", "rq", "redis-py", "redis-server"}
     assert report["settings"]["peerProducers"] == peers.PRODUCER_THREADS

@@ -5,6 +5,8 @@ and exits 0; a second signal ends the grace at once."""
 import json
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -14,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from websockets.sync.client import connect
 
 from queues.store import Store
-from serverproc import Deployment
+from serverproc import MANAGE, PROJECT_DIR, Deployment
 
 WAIT = 30.0  # for what must happen well within it
 
@@ -117,3 +119,12 @@ def test_a_second_signal_ends_the_grace_at_once(deployment):
         assert request.answer.status_code == 503  # cut, and told to try again
         assert request.answer.json()["error"] == "busy" and request.answer.headers["retry-after"] == "1"
     assert f"GET /api/queues/waiting/items/{waiting_id} 503 " in server.output()  # logged as answered
+
+
+@pytest.mark.parametrize("value", ["-1", "nan", "soon"])
+def test_a_grace_below_zero_or_not_a_number_stops_the_start_with_what_to_set(tmp_path, value):
+    env = Deployment(tmp_path).environ() | {"TASKHOSTER_STOP_GRACE_SECONDS": value}
+    done = subprocess.run([sys.executable, str(MANAGE), "check"], cwd=PROJECT_DIR, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0
+    assert "TASKHOSTER_STOP_GRACE_SECONDS to 0 or more seconds" in done.stderr and value in done.stderr

@@ -44,7 +44,7 @@ def write_new(path: str, data: bytes, *, mtime: float | None = None) -> None:
     """Make the file `path` (it must not exist) holding `data`, with `mtime` if given."""
     fd = _written(path, data, mtime)
     try:
-        os.close(fd)
+        _close(fd, path)
     except BaseException:
         remove_quietly(path)
         raise
@@ -53,12 +53,22 @@ def write_new(path: str, data: bytes, *, mtime: float | None = None) -> None:
 @contextmanager
 def new_file(path: str, data: bytes) -> Iterator[int]:
     """`write_new`, the file kept open for the block: its descriptor, to flush it through after
-    it was moved (no second open)."""
+    it was moved (no second open). A failed close raises at the block's end, where the caller
+    undoes what it did, as for any failure inside it."""
     fd = _written(path, data, None)
     try:
         yield fd
     finally:
+        _close(fd, path)
+
+
+def _close(fd: int, path: str) -> None:
+    try:
+        _before("close", path)
+    except BaseException:
         os.close(fd)
+        raise
+    os.close(fd)
 
 
 def _written(path: str, data: bytes, mtime: float | None) -> int:

@@ -284,9 +284,10 @@ class ItemFiles:
         gone)."""
         written = self.layout.tmp(queue, item.id)
         pending = self.layout.item(queue, "pending", item.id)
-        moved = False
-        with files.new_file(written, encode(item)) as fd:  # a failed write leaves no file
-            try:
+        made = moved = False
+        try:
+            with files.new_file(written, encode(item)) as fd:  # a failed write leaves no file
+                made = True
                 files.move(written, pending)
                 moved = True
                 self._claimable(queue, [item.id])
@@ -296,12 +297,12 @@ class ItemFiles:
                         self.flush_states(queue, "pending")
                     if not files.exists(pending):  # claimed before pending/ was flushed, or while
                         self.flush_states(queue, "processing")
-            except BaseException:
-                if moved:
-                    self._take_back(queue, "pending", item.id)
-                else:
-                    files.remove_quietly(written)
-                raise
+        except BaseException:  # its close too
+            if moved:
+                self._take_back(queue, "pending", item.id)
+            elif made:
+                files.remove_quietly(written)
+            raise
 
     def _take_back(self, queue: str, state: str, item_id: str) -> None:
         """Undo a move into `state`/ that cannot be made durable; from processing/ too, if another

@@ -56,7 +56,7 @@ def _repair(items: ItemFiles, queue: str, listing: dict[str, list[str]]) -> list
             items.quarantine(queue, state, name)
     doubled = _doubled(*listing.values())
     # scheduled/ is not listed: an item given back for later by a transition that died before it
-    # removed the processing copy is found from processing/ (few items: one stat each)
+    # removed the processing copy is found from processing/: one stat per item in flight
     doubled.update(name for name in listing["processing"]
                    if files.exists(items.layout.in_directory(queue, "scheduled", name)))
     repaired = []

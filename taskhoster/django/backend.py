@@ -12,7 +12,6 @@ from contextlib import contextmanager
 from datetime import datetime
 from functools import cached_property
 from threading import Lock
-from weakref import WeakKeyDictionary
 
 from asgiref.sync import sync_to_async
 from django.core import checks
@@ -52,7 +51,7 @@ class TaskhosterBackend(BaseTaskBackend):
                               f"items oldest first); leave priority at {DEFAULT_TASK_PRIORITY}, or give urgent tasks "
                               f"a queue_name of their own and a worker for it")
         super().validate_task(task)
-        if not QUEUE_NAME.match(task.queue_name):
+        if not QUEUE_NAME.fullmatch(task.queue_name):
             raise InvalidTask(f"{task.module_path}: queue_name {task.queue_name!r} is not a Taskhoster queue name "
                               f"(lowercase letters, digits, - and _)")
 
@@ -121,15 +120,17 @@ class TaskhosterBackend(BaseTaskBackend):
 # The framework makes a backend for each thread, and under ASGI for each request: the producers,
 # and the connections they keep open, are shared by every backend with the same server and token.
 # An AsyncProducer's connections belong to the event loop that opened them, so each loop (one per
-# thread that runs asyncio.run, say) has producers of its own, dropped with it.
+# thread that runs asyncio.run, say) has producers of its own, dropped once it is closed.
 _producers: dict[tuple, Producer] = {}
-_async_producers: WeakKeyDictionary[asyncio.AbstractEventLoop, dict[tuple, AsyncProducer]] = WeakKeyDictionary()
+_async_producers: dict[asyncio.AbstractEventLoop, dict[tuple, AsyncProducer]] = {}
 _producers_lock = Lock()
 
 
 def _shared(kind: type, options: Options):
     key = (options.url, options.token, options.timeout)
     with _producers_lock:
+        for loop in [loop for loop in _async_producers if loop.is_closed()]:
+            del _async_producers[loop]
         made = _async_producers.setdefault(asyncio.get_running_loop(), {}) if kind is AsyncProducer else _producers
         if key not in made:
             made[key] = kind(options.url, options.token, timeout=options.timeout)

@@ -59,7 +59,7 @@ class TaskRunner:
         try:
             started = await loop.run_in_executor(self._threads, self._start, payload, job, runs)
         except Exception as exc:  # no such task, or not a task's payload: no signals to send
-            return self._give_up_or_retry(job, raised(exc, runs), exc)
+            return self._give_up_or_retry(job, raised(exc, runs), exc, final=self._is_final(job))
         if not iscoroutinefunction(started.result.task.func):
             return await loop.run_in_executor(self._threads, self._call_plain, started)
         await sync_to_async(close_old_connections)()  # where the task's own ORM calls go
@@ -111,7 +111,7 @@ class TaskRunner:
         clause, so the receivers of task_finished find it in sys.exc_info() there, as with the
         framework's own backends."""
         error = raised(exc, started.runs)
-        final = final or self._is_final(started.job)
+        final = final or self._is_final(started.job)  # decided once: the framework and the Worker hear the same
         started.result.errors.append(TaskError(exception_class_path=error["exceptionClass"],
                                                traceback=error["traceback"]))
         if final:
@@ -124,10 +124,10 @@ class TaskRunner:
 
     # -- either side -----------------------------------------------------------------------------
 
-    def _give_up_or_retry(self, job: Job, error: dict, exc: Exception, *, final: bool = False) -> Any:
+    def _give_up_or_retry(self, job: Job, error: dict, exc: Exception, *, final: bool) -> Any:
         """The result of a last try that raised; on an earlier try, HandlerFailed: the Worker gives
         the item back, after a backoff, with the error as its lastError."""
-        if final or self._is_final(job):
+        if final:
             log.warning("%s %s failed on its last try (%d): %r", job.queue, job.id, job.attempts, exc)
             return {"error": error}
         raise HandlerFailed(error)

@@ -104,6 +104,22 @@ def test_event_loops_in_two_threads_enqueue_at_once_each_with_a_producer_of_its_
     assert all(ended(result).status == TaskResultStatus.SUCCESSFUL for result, _ in runs)
 
 
+def test_a_closed_event_loops_producers_are_let_go_of():
+    import gc
+    import weakref
+
+    loops = []
+
+    async def enqueue():
+        loops.append(weakref.ref(asyncio.get_running_loop()))
+        return await tasks.greet.aenqueue("cy")
+
+    results = [asyncio.run(enqueue()) for _ in range(3)]  # a new loop each, as async_to_sync makes
+    gc.collect()
+    assert [loop() is None for loop in loops[:-1]] == [True, True]  # let go of by the next loop's enqueue
+    assert all(ended(result).status == TaskResultStatus.SUCCESSFUL for result in results)
+
+
 def test_an_async_task_runs_enqueued_and_read_from_async_code():
     async def enqueue_and_wait():
         result = await tasks.greet.aenqueue("ana", punctuation="?")

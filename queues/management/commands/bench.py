@@ -65,7 +65,7 @@ class Command(BaseCommand):
         parser.add_argument("--workers", type=int, help=f"worker processes, ours and the peers' (default {FULL.workers})")
         parser.add_argument("--batch", type=int, help=f"items per post in batches (default {FULL.batch})")
         parser.add_argument("--claim-batch", type=int,
-                            help=f"most items per claim of a worker (default {FULL.claim_batch})")
+                            help=f"most items per claim of a worker (default {FULL.claim_batch}; 1 with --peers)")
         parser.add_argument("--round-trips", type=int,
                             help=f"round trips timed one at a time (default {FULL.round_trips})")
         parser.add_argument("--producers",
@@ -104,6 +104,8 @@ class Command(BaseCommand):
         for name, option in (("pending_sizes", "--pending-sizes"), ("producers", "--producers")):
             if options[name]:
                 options[name] = _numbers(option, options[name])
+        if options["peers"] and options["claim_batch"] is None:
+            options["claim_batch"] = 1  # the peers' workers take one task at a time: so do ours beside them
         options["fsync"] = FSYNC_MODES[options["fsync"]]
         options["profile_dir"] = options.pop("profile")
         settings = settings_from(options)
