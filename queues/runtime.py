@@ -3,13 +3,17 @@
 Async code calls the store through `run`, and only here is it decided where each call runs:
 - reads and claims on the event loop: each is a few small file operations, never waits for a
   flush or for a large directory to be listed, and costs less than a hop to a thread and back;
-- the other transitions in the store's threads, since they wait for the disk to flush; concurrent
-  posts and results there share their flushes (see store.files);
+  a claim takes its first few items there, and any more in the store's threads, so a big one
+  never keeps the loop from its sockets;
+- the other transitions in the store's threads, taking turns (see store.turn): they wait for
+  the disk to flush, and concurrent posts and results there share their flushes (see
+  store.files);
 - calls that may read whole directories (counts, listings, health, sweeps) in threads of their
   own, so a big queue's count never holds up a post.
 """
 
 import asyncio
+import logging
 from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache, partial
 
@@ -17,13 +21,17 @@ from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 
 from .events import hub
+from .exceptions import StorageUnavailable
 from .metrics.transitions import transition_counter
 from .registry import Registry
-from .store import Store
+from .store import Store, turn
+
+log = logging.getLogger(__name__)
 
 STORE_THREADS = 2  # enough concurrent posts and results to share a flush; more only contend for the GIL
 SCAN_THREADS = 2
-ON_LOOP = frozenset({"read_item", "claim_items"})
+ON_LOOP = frozenset({"read_item"})
+CLAIMS_ON_LOOP = 8  # items a claim takes on the event loop before it goes on in the store's threads
 SCANS = frozenset(
     {"count_items", "list_items", "throughput", "check_health", "sweep_queue", "take_snapshot", "count_queues"}
 )
@@ -67,5 +75,25 @@ async def run(call, /, **kwargs):
     name = getattr(call, "__name__", "")
     if name in ON_LOOP:
         return call(**kwargs)
-    threads = _scan_threads() if name in SCANS else _store_threads()
-    return await asyncio.get_running_loop().run_in_executor(threads, partial(call, **kwargs))
+    if name == "claim_items":
+        return await _claim(call, **kwargs)
+    if name in SCANS:
+        return await asyncio.get_running_loop().run_in_executor(_scan_threads(), partial(call, **kwargs))
+    return await _in_store_thread(call, **kwargs)
+
+
+async def _in_store_thread(call, /, **kwargs):
+    return await asyncio.get_running_loop().run_in_executor(_store_threads(), partial(turn.taking, call, **kwargs))
+
+
+async def _claim(claim_items, /, *, max_items: int = 1, **kwargs) -> list:
+    """A claim's first items on the loop, the rest (if it found all it took there) in the store's
+    threads; a failure there ends the claim with what it had, as within one claim."""
+    first = claim_items(max_items=min(max_items, CLAIMS_ON_LOOP), **kwargs)
+    if len(first) < CLAIMS_ON_LOOP or max_items <= CLAIMS_ON_LOOP:
+        return first
+    try:
+        return first + await _in_store_thread(claim_items, max_items=max_items - len(first), **kwargs)
+    except StorageUnavailable:
+        log.warning("a claim stopped early", exc_info=True)
+        return first

@@ -22,6 +22,8 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+from . import turn
+
 FILE_MODE = 0o600
 DIRECTORY_MODE = 0o700
 NO_XATTRS = (errno.ENOTSUP, errno.EOPNOTSUPP)
@@ -269,18 +271,21 @@ def opened(path: str) -> Iterator[int]:
 def flush_open(fd: int, path: str) -> None:
     """Flush a file through a descriptor opened before it was moved (`path`: where it is now)."""
     _before("fsync", path)
-    os.fsync(fd)
+    with turn.waiting():
+        os.fsync(fd)
 
 
 def _fsync(path: str) -> None:
     with opened(path) as fd:
         _before("fsync", path)
-        os.fsync(fd)
+        with turn.waiting():
+            os.fsync(fd)
 
 
 def flush_directory(path: str) -> None:
     """Flush a directory's entries to disk, sharing the flush with concurrent callers."""
-    _DirectoryFlush.of(path).flush()
+    with turn.waiting():  # whole: the turn is never waited for holding the flush's lock
+        _DirectoryFlush.of(path).flush()
 
 
 class _DirectoryFlush:

@@ -17,7 +17,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from . import files
+from . import files, turn
 
 ITEM_STRIPES = 256  # from an id's last two hex digits: the same in every version of the server
 KEY_STRIPES = 1 << 16  # a batch's keys take one each, so posts of other keys rarely wait on them
@@ -66,7 +66,10 @@ class QueueLocks:
         if thread_lock is None:
             with self._made:
                 thread_lock = self._threads.setdefault(stripe, threading.RLock())
-        with thread_lock:
+        if not thread_lock.acquire(blocking=False):
+            with turn.waiting():
+                thread_lock.acquire()
+        try:
             if not self._depth.get(stripe):
                 _lock_byte(self._fd, stripe)
             self._depth[stripe] = self._depth.get(stripe, 0) + 1
@@ -76,6 +79,8 @@ class QueueLocks:
                 self._depth[stripe] -= 1
                 if not self._depth[stripe]:
                     fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, stripe)
+        finally:
+            thread_lock.release()
 
     def close(self) -> None:
         with self._open_lock:
@@ -84,16 +89,23 @@ class QueueLocks:
 
 
 def _lock_byte(fd: int, offset: int) -> None:
-    """Wait for the record lock on one byte. The kernel's deadlock check counts record locks per
-    process, so threads of two processes each holding one stripe and waiting for the other's are
-    refused with EDEADLK; locks are taken in one order everywhere (keys, in stripe order, before
-    items; a second item stripe only for an item made a moment ago, that nobody waits for), so it
-    is no deadlock: try again."""
-    while True:
-        try:
-            fcntl.lockf(fd, fcntl.LOCK_EX, 1, offset)
-            return
-        except OSError as exc:
-            if exc.errno != errno.EDEADLK:
-                raise
-            time.sleep(0.001)
+    """Take the record lock on one byte, waiting (out of the store's turn) if another process has
+    it. The kernel's deadlock check counts record locks per process, so threads of two processes
+    each holding one stripe and waiting for the other's are refused with EDEADLK; locks are taken
+    in one order everywhere (keys, in stripe order, before items; a second item stripe only for an
+    item made a moment ago, that nobody waits for), so it is no deadlock: try again."""
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, offset)
+        return
+    except OSError as exc:
+        if exc.errno not in (errno.EACCES, errno.EAGAIN):
+            raise
+    with turn.waiting():
+        while True:
+            try:
+                fcntl.lockf(fd, fcntl.LOCK_EX, 1, offset)
+                return
+            except OSError as exc:
+                if exc.errno != errno.EDEADLK:
+                    raise
+                time.sleep(0.001)

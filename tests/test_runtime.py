@@ -1,0 +1,74 @@
+"""Where store calls run: a claim takes its first items on the event loop and the rest in the
+store's threads, and the caller sees one claim."""
+
+import threading
+
+import pytest
+
+from queues import runtime
+from queues.exceptions import StorageUnavailable
+from queues.runtime import run
+from queues.store import QueueConfig, Store
+from storekit import post_batch
+
+Q = "jobs"
+
+
+def _store_with_items(tmp_path, count: int) -> Store:
+    store = Store(tmp_path / "data", fsync=False)
+    post_batch(store, Q, list(range(count)))
+    return store
+
+
+async def test_a_big_claim_is_one_claim_of_the_oldest_items(tmp_path):
+    store = _store_with_items(tmp_path, 30)
+    config = QueueConfig(name=Q)
+    where = []
+
+    def claim_items(**kwargs):
+        where.append((threading.current_thread() is threading.main_thread(), kwargs["max_items"]))
+        return store.claim_items(**kwargs)
+
+    claimed = await run(claim_items, config=config, max_items=20)
+
+    assert [item.payload for item in claimed] == list(range(20))
+    assert len({item.claim_token for item in claimed}) == 20
+    assert where == [(True, runtime.CLAIMS_ON_LOOP), (False, 20 - runtime.CLAIMS_ON_LOOP)]
+
+
+async def test_a_claim_that_finds_few_items_never_leaves_the_loop(tmp_path):
+    store = _store_with_items(tmp_path, 3)
+    calls = []
+
+    def claim_items(**kwargs):
+        calls.append(kwargs["max_items"])
+        return store.claim_items(**kwargs)
+
+    claimed = await run(claim_items, config=QueueConfig(name=Q), max_items=100)
+
+    assert len(claimed) == 3 and calls == [runtime.CLAIMS_ON_LOOP]
+
+
+async def test_a_claim_that_fails_after_its_first_items_ends_with_them(tmp_path):
+    """As within one claim: items taken before the disk failed are handed out, not stranded."""
+    store = _store_with_items(tmp_path, 30)
+    calls = []
+
+    def claim_items(**kwargs):
+        calls.append(kwargs["max_items"])
+        if len(calls) == 2:
+            raise StorageUnavailable("the disk failed")
+        return store.claim_items(**kwargs)
+
+    claimed = await run(claim_items, config=QueueConfig(name=Q), max_items=20)
+
+    assert [item.payload for item in claimed] == list(range(runtime.CLAIMS_ON_LOOP))
+    assert store.count_items(queue=Q).processing == runtime.CLAIMS_ON_LOOP
+
+
+async def test_a_claim_that_fails_at_once_raises(tmp_path):
+    def claim_items(**kwargs):
+        raise StorageUnavailable("the disk failed")
+
+    with pytest.raises(StorageUnavailable):
+        await run(claim_items, config=QueueConfig(name=Q), max_items=20)

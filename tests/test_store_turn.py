@@ -1,0 +1,170 @@
+"""The store's turn: one thread at a time runs store code in it, another runs while it waits (a
+flush, an item lock), and threads racing in it on the same items never deadlock, with another
+process holding item locks too."""
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from functools import partial
+from pathlib import Path
+
+from queues.store import QueueConfig, Release, Store, turn
+from storekit import finish, post_batch
+
+Q = "jobs"
+PROJECT = Path(__file__).resolve().parent.parent
+HANG_SECONDS = 120  # far beyond the work: a thread still running then is stuck, not slow
+
+
+def _run_threads(targets) -> list[BaseException]:
+    errors: list[BaseException] = []
+
+    def guarded(target):
+        try:
+            target()
+        except BaseException as exc:  # reported by the test
+            errors.append(exc)
+
+    threads = [threading.Thread(target=guarded, args=(t,), daemon=True) for t in targets]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(HANG_SECONDS)
+    assert not any(t.is_alive() for t in threads), "a thread is stuck: the turn deadlocked"
+    return errors
+
+
+def test_one_thread_at_a_time_runs_in_the_turn():
+    running, most = [], []
+    lock = threading.Lock()
+
+    def work():
+        with lock:
+            running.append(1)
+            most.append(len(running))
+        time.sleep(0.002)  # not a wait in the turn's sense: the turn is kept
+        with lock:
+            running.pop()
+
+    assert _run_threads([lambda: [turn.taking(work) for _ in range(20)] for _ in range(4)]) == []
+    assert max(most) == 1
+
+
+def test_a_thread_waiting_lets_another_run():
+    waiting, ran_meanwhile = threading.Event(), threading.Event()
+    seen_while_waiting = []
+
+    def waits():
+        with turn.waiting():
+            waiting.set()
+            seen_while_waiting.append(ran_meanwhile.wait(HANG_SECONDS))
+
+    def runs():
+        assert waiting.wait(HANG_SECONDS)
+        turn.taking(ran_meanwhile.set)
+
+    assert _run_threads([lambda: turn.taking(waits), runs]) == []
+    assert seen_while_waiting == [True]
+
+
+def test_waiting_outside_the_turn_changes_nothing():
+    with turn.waiting():
+        pass
+    assert turn.taking(lambda: 7) == 7  # the turn is free: nothing took it, nothing released it twice
+
+
+def test_threads_racing_in_the_turn_on_the_same_items_finish_every_one(tmp_path):
+    """Threads hand in results for the same items in the same order, with fsync on: each waits for
+    its flushes holding an item's lock, and for the item locks the others hold, while the rest
+    take turns; one result is accepted for each item, and none of them is stuck."""
+    store = Store(tmp_path / "data", fsync=True)
+    config = QueueConfig(name=Q)
+    post_batch(store, Q, list(range(60)))
+    claimed = store.claim_items(config=config, max_items=60)
+    some_released = claimed[::6]
+    accepted: list[tuple[str, int]] = []
+
+    def hand_in(number: int):
+        for item in claimed:
+            if item in some_released and number == 0:
+                turn.taking(store.release_items, releases=[Release(config, item.id, item.claim_token)])
+            outcome = turn.taking(partial(finish, store, config, item.id, number))
+            if outcome.accepted:
+                accepted.append((item.id, number))
+
+    def poster():
+        for n in range(20):
+            turn.taking(partial(post_batch, store, Q, [n]))
+
+    assert _run_threads([partial(hand_in, n) for n in range(4)] + [poster]) == []
+    assert sorted({item_id for item_id, _ in accepted}) == sorted(item.id for item in claimed)
+    assert len(accepted) == len(claimed)  # one accepted result each
+    for item_id, number in accepted:
+        assert store.read_item(queue=Q, item_id=item_id).result == number
+    assert store.count_items(queue=Q).pending == 20
+
+
+def _hold_item_locks(data_dir: str, ready: str, release: str) -> None:
+    """Another process: hold every item stripe of the queue until `release` exists."""
+    from contextlib import ExitStack
+
+    from queues.store.locks import ITEM_STRIPES, QueueLocks
+
+    Store(data_dir, fsync=False).ensure_queue(Q)
+    locks = QueueLocks.for_file(f"{data_dir}/{Q}/locks/items")
+    with ExitStack() as stack:
+        for stripe in range(ITEM_STRIPES):
+            stack.enter_context(locks.hold(f"{stripe:02x}"))
+        Path(ready).write_text("held")
+        while not Path(release).exists():
+            time.sleep(0.01)
+
+
+def test_a_thread_waiting_for_another_process_lock_lets_the_others_run(tmp_path, monkeypatch):
+    """While another process holds the item locks, a finish in the turn waits for them out of the
+    turn: a post, which needs no item lock, runs meanwhile; then the finish goes on."""
+    data_dir = tmp_path / "data"
+    store = Store(data_dir, fsync=False)
+    config = QueueConfig(name=Q)
+    post_batch(store, Q, ["first"])
+    (item,) = store.claim_items(config=config, max_items=1)
+    ready, release = tmp_path / "ready", tmp_path / "release"
+    holder = subprocess.Popen(
+        [sys.executable, __file__, str(data_dir), str(ready), str(release)],
+        cwd=PROJECT, env={**os.environ, "PYTHONPATH": str(PROJECT)},
+    )
+    waits = threading.Event()
+    real_waiting = turn.waiting
+
+    @contextmanager
+    def telling_waiting():
+        with real_waiting():
+            waits.set()
+            yield
+
+    monkeypatch.setattr(turn, "waiting", telling_waiting)
+    try:
+        while not ready.exists():
+            assert holder.poll() is None, "the lock holder died"
+            time.sleep(0.01)
+        finished, posted = [], []
+        finishing = threading.Thread(
+            target=lambda: finished.append(turn.taking(partial(finish, store, config, item.id, "late"))), daemon=True
+        )
+        finishing.start()
+        assert waits.wait(HANG_SECONDS)  # the finish waits for the other process's lock
+        assert _run_threads([lambda: posted.extend(turn.taking(partial(post_batch, store, Q, ["meanwhile"])))]) == []
+        assert len(posted) == 1 and not finished
+        release.write_text("go")
+        finishing.join(HANG_SECONDS)
+        assert finished and finished[0].accepted
+    finally:
+        release.write_text("go")
+        holder.wait(HANG_SECONDS)
+
+
+if __name__ == "__main__":
+    _hold_item_locks(*sys.argv[1:])
