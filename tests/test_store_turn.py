@@ -7,7 +7,6 @@ import subprocess
 import sys
 import threading
 import time
-from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 
@@ -57,10 +56,12 @@ def test_a_thread_waiting_lets_another_run():
     waiting, ran_meanwhile = threading.Event(), threading.Event()
     seen_while_waiting = []
 
+    def wait():
+        waiting.set()
+        seen_while_waiting.append(ran_meanwhile.wait(HANG_SECONDS))
+
     def waits():
-        with turn.waiting():
-            waiting.set()
-            seen_while_waiting.append(ran_meanwhile.wait(HANG_SECONDS))
+        turn.outside(wait)
 
     def runs():
         assert waiting.wait(HANG_SECONDS)
@@ -71,8 +72,7 @@ def test_a_thread_waiting_lets_another_run():
 
 
 def test_waiting_outside_the_turn_changes_nothing():
-    with turn.waiting():
-        pass
+    assert turn.outside(lambda x: x + 1, 6) == 7
     assert turn.taking(lambda: 7) == 7  # the turn is free: nothing took it, nothing released it twice
 
 
@@ -137,15 +137,13 @@ def test_a_thread_waiting_for_another_process_lock_lets_the_others_run(tmp_path,
         cwd=PROJECT, env={**os.environ, "PYTHONPATH": str(PROJECT)},
     )
     waits = threading.Event()
-    real_waiting = turn.waiting
+    real_outside = turn.outside
 
-    @contextmanager
-    def telling_waiting():
-        with real_waiting():
-            waits.set()
-            yield
+    def telling_outside(call, *args):
+        waits.set()
+        return real_outside(call, *args)
 
-    monkeypatch.setattr(turn, "waiting", telling_waiting)
+    monkeypatch.setattr(turn, "outside", telling_outside)
     try:
         while not ready.exists():
             assert holder.poll() is None, "the lock holder died"

@@ -253,39 +253,37 @@ def flush_files(paths: list[str]) -> None:
 
 def _start_writeback(path: str) -> None:
     """Start writing the file out, without waiting (pages being written stay cached)."""
-    with opened(path) as fd:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-
-
-@contextmanager
-def opened(path: str) -> Iterator[int]:
-    """A file opened for reading, closed after."""
-    _before("open", path)
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    fd = _open_to_read(path)
     try:
-        yield fd
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
+
+
+def _open_to_read(path: str) -> int:
+    _before("open", path)
+    return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
 
 
 def flush_open(fd: int, path: str) -> None:
     """Flush a file through a descriptor opened before it was moved (`path`: where it is now)."""
     _before("fsync", path)
-    with turn.waiting():
-        os.fsync(fd)
+    turn.outside(os.fsync, fd)
 
 
 def _fsync(path: str) -> None:
-    with opened(path) as fd:
+    fd = _open_to_read(path)
+    try:
         _before("fsync", path)
-        with turn.waiting():
-            os.fsync(fd)
+        turn.outside(os.fsync, fd)
+    finally:
+        os.close(fd)
 
 
 def flush_directory(path: str) -> None:
     """Flush a directory's entries to disk, sharing the flush with concurrent callers."""
-    with turn.waiting():  # whole: the turn is never waited for holding the flush's lock
-        _DirectoryFlush.of(path).flush()
+    # whole, out of the turn: the turn is never waited for holding the flush's lock
+    turn.outside(_DirectoryFlush.of(path).flush)
 
 
 class _DirectoryFlush:

@@ -11,8 +11,8 @@ errors/, so counts never read a done file.
 import logging
 import os
 import threading
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import replace
 from typing import Protocol
 
@@ -143,14 +143,12 @@ class ItemFiles:
         self.keys.close(queue)
         files.forget_directories(self.layout.queue_dir(queue) + "/")
 
-    @contextmanager
-    def lock(self, queue: str, item_id: str) -> Iterator[None]:
+    def lock(self, queue: str, item_id: str) -> AbstractContextManager[None]:
         locks = self._locks.get(queue)
         if locks is None:
             self.ensure_queue(queue)
             locks = self._locks[queue]
-        with locks.hold(item_id):
-            yield
+        return locks.hold(item_id)
 
     def index(self, queue: str) -> PendingIndex:
         index = self._indexes.get(queue)

@@ -67,8 +67,7 @@ class QueueLocks:
             with self._made:
                 thread_lock = self._threads.setdefault(stripe, threading.RLock())
         if not thread_lock.acquire(blocking=False):
-            with turn.waiting():
-                thread_lock.acquire()
+            turn.outside(thread_lock.acquire)
         try:
             if not self._depth.get(stripe):
                 _lock_byte(self._fd, stripe)
@@ -100,12 +99,15 @@ def _lock_byte(fd: int, offset: int) -> None:
     except OSError as exc:
         if exc.errno not in (errno.EACCES, errno.EAGAIN):
             raise
-    with turn.waiting():
-        while True:
-            try:
-                fcntl.lockf(fd, fcntl.LOCK_EX, 1, offset)
-                return
-            except OSError as exc:
-                if exc.errno != errno.EDEADLK:
-                    raise
-                time.sleep(0.001)
+    turn.outside(_wait_for_byte, fd, offset)
+
+
+def _wait_for_byte(fd: int, offset: int) -> None:
+    while True:
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX, 1, offset)
+            return
+        except OSError as exc:
+            if exc.errno != errno.EDEADLK:
+                raise
+            time.sleep(0.001)

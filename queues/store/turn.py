@@ -13,8 +13,7 @@ directory), and takes it back holding no plain lock that such a holder might wai
 """
 
 import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -33,16 +32,14 @@ def taking(call: Callable[..., T], /, **kwargs) -> T:
             _held.turn = False
 
 
-@contextmanager
-def waiting() -> Iterator[None]:
-    """Let go of the turn for the block, if this thread has it (a wait: run no store code inside)."""
+def outside(call: Callable[..., T], /, *args) -> T:
+    """Call `call(*args)`, a wait, out of the turn if this thread has it."""
     if not getattr(_held, "turn", False):
-        yield
-        return
+        return call(*args)
     _held.turn = False
     _turn.release()
     try:
-        yield
+        return call(*args)
     finally:
         _turn.acquire()
         _held.turn = True
