@@ -408,15 +408,17 @@ class ItemFiles:
             files.remove_quietly(self.layout.mark(queue, mark, done.id))
 
     def ended(self, queue: str, moved: list[tuple[str, Item]]) -> None:
-        """After done/ was flushed: remove the items' old files, count them, and say they ended."""
+        """After done/ was flushed: count the items, say they ended, and remove their old files
+        (done wins over them already, so whoever waits for a result need not wait for that)."""
+        for _, done in moved:
+            self.tallies.count(queue, done.status, done.finished_at)
+        self.events.items_terminal(queue, [done.id for _, done in moved])
+        self.observer.items_ended(queue, [done for _, done in moved])
         for state, done in moved:
             try:
                 files.remove(self.layout.item(queue, state, done.id))
             except OSError:  # done wins over the copy left, and the sweep removes it
                 log.warning("could not remove the old file of %s in %s", done.id, queue, exc_info=True)
-            self.tallies.count(queue, done.status, done.finished_at)
-        self.events.items_terminal(queue, [done.id for _, done in moved])
-        self.observer.items_ended(queue, [done for _, done in moved])
 
     def end(self, queue: str, state: str, done: Item) -> bool:
         """Move an item from `state`/ to done/ with this content, durably; False if done/ had it
