@@ -28,7 +28,7 @@ from .store import Store, turn
 
 log = logging.getLogger(__name__)
 
-STORE_THREADS = 2  # enough concurrent posts and results to share a flush; more only contend for the GIL
+STORE_THREADS = 2  # one runs while the other waits for the disk; more would only queue for the turn
 SCAN_THREADS = 2
 ON_LOOP = frozenset({"read_item"})
 CLAIMS_ON_LOOP = 8  # items a claim takes on the event loop before it goes on in the store's threads

@@ -103,6 +103,41 @@ async def test_claim_hands_out_items_oldest_first_with_payloads_and_a_lease(api,
     assert await claim(api, tokens["worker"]) == []
 
 
+async def test_a_claim_request_cancelled_midway_gives_its_items_back(api, queues, tokens, monkeypatch):
+    """A big claim goes on in a store thread after its first items; a stop that cancels the
+    request meanwhile leaves no item claimed for nobody: they are pending again, their attempt
+    not counted against them (a shutdown)."""
+    posted = post_batch(get_store(), "jobs", list(range(20)))
+    in_thread, go_on = threading.Event(), threading.Event()
+    claim_items = Store.claim_items
+
+    @functools.wraps(claim_items)
+    def claim_waiting_in_the_thread(store, **kwargs):
+        if threading.current_thread() is not threading.main_thread():
+            in_thread.set()
+            go_on.wait(30)
+        return claim_items(store, **kwargs)
+
+    monkeypatch.setattr(Store, "claim_items", claim_waiting_in_the_thread)
+    request = asyncio.ensure_future(
+        api.post("/api/queues/jobs/claim", json={"max": 20}, headers=bearer(tokens["worker"]))
+    )
+    while not in_thread.is_set():
+        await asyncio.sleep(0.01)
+    request.cancel()
+    go_on.set()
+    with pytest.raises(asyncio.CancelledError):
+        await request
+    for _ in range(3000):  # the give-back runs on this loop once the claim ends: let it
+        if get_store().count_items(queue="jobs").pending == 20:
+            break
+        await asyncio.sleep(0.01)
+
+    assert get_store().count_items(queue="jobs").pending == 20
+    again = await claim(api, tokens["worker"], max=20)
+    assert sorted(c["id"] for c in again) == sorted(item.id for item in posted)
+
+
 async def test_claim_takes_an_empty_body_as_the_defaults(api, queues, tokens):
     await post(api, tokens["all"], 1)
     await post(api, tokens["all"], 2)

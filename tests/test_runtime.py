@@ -49,6 +49,19 @@ async def test_a_claim_that_finds_few_items_never_leaves_the_loop(tmp_path):
     assert len(claimed) == 3 and calls == [runtime.CLAIMS_ON_LOOP]
 
 
+async def test_a_claim_of_no_more_than_the_loop_takes_never_leaves_it(tmp_path):
+    store = _store_with_items(tmp_path, 30)
+    calls = []
+
+    def claim_items(**kwargs):
+        calls.append(kwargs["max_items"])
+        return store.claim_items(**kwargs)
+
+    claimed = await run(claim_items, config=QueueConfig(name=Q), max_items=runtime.CLAIMS_ON_LOOP)
+
+    assert len(claimed) == runtime.CLAIMS_ON_LOOP and calls == [runtime.CLAIMS_ON_LOOP]
+
+
 async def test_a_claim_that_fails_after_its_first_items_ends_with_them(tmp_path):
     """As within one claim: items taken before the disk failed are handed out, not stranded."""
     store = _store_with_items(tmp_path, 30)

@@ -89,6 +89,29 @@ def test_a_post_tells_waiting_claims_once_its_items_can_be_claimed(tmp_path, clo
     assert told == [(Q, 2, sorted(f"{i}.json" for i in posted))]
 
 
+def test_those_told_an_item_ended_find_it_in_one_state(tmp_path, clock, config):
+    """Waiters for a result are told once its old file is gone too: a count or a listing made
+    when they are told never shows the item twice."""
+    told = []
+
+    class Events:
+        def items_available(self, queue, count):
+            pass
+
+        def items_terminal(self, queue, item_ids):
+            told.append([states_of(store, item_id) for item_id in item_ids])
+
+        def item_canceled(self, queue, item_id):
+            pass
+
+    store = Store(tmp_path / "data", fsync=True, clock=clock, events=Events())
+    post(store, 1, 2, 3)
+    claimed = store.claim_items(config=config, max_items=3)
+    store.finish_items(results=[(config, item.id, None) for item in claimed[:2]])
+    store.cancel_item(config=config, item_id=claimed[2].id)
+    assert told == [[["done"], ["done"]], [["done"]]]
+
+
 # ---- claims ----------------------------------------------------------------------------------
 
 

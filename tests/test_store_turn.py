@@ -10,7 +10,8 @@ import time
 from functools import partial
 from pathlib import Path
 
-from queues.store import QueueConfig, Release, Store, turn
+from queues.store import QueueConfig, Release, Store, files, turn
+from queues.store.locks import QueueLocks
 from storekit import finish, post_batch
 
 Q = "jobs"
@@ -74,6 +75,78 @@ def test_a_thread_waiting_lets_another_run():
 def test_waiting_outside_the_turn_changes_nothing():
     assert turn.outside(lambda x: x + 1, 6) == 7
     assert turn.taking(lambda: 7) == 7  # the turn is free: nothing took it, nothing released it twice
+
+
+def test_a_thread_waiting_for_an_item_lock_lets_the_holder_go_on(tmp_path):
+    """B holds an item's lock while it waits (as for a flush); A, in the turn, asks for the same
+    lock: A must let go of the turn, or B could never take it back and neither would end."""
+    Store(tmp_path / "data", fsync=False).ensure_queue(Q)
+    locks = QueueLocks.for_file(str(tmp_path / "data" / Q / "locks" / "items"))
+    b_holds, a_asks, go_on = threading.Event(), threading.Event(), threading.Event()
+    order = []
+
+    def b():
+        with locks.hold("ab"):
+            b_holds.set()
+            turn.outside(go_on.wait, HANG_SECONDS)
+            order.append("b done")
+
+    def a():
+        assert b_holds.wait(HANG_SECONDS)
+        a_asks.set()
+        with locks.hold("ab"):
+            order.append("a holds")
+
+    def main():
+        assert a_asks.wait(HANG_SECONDS)
+        turn.taking(go_on.set)  # needs the turn, which A has unless it let go while it waits
+
+    assert _run_threads([lambda: turn.taking(b), lambda: turn.taking(a), main]) == []
+    assert order == ["b done", "a holds"]
+
+
+def test_a_thread_waiting_for_another_threads_directory_flush_lets_it_end(tmp_path, monkeypatch):
+    """Two threads in the turn flush the same directory: the second waits for the first's flush
+    out of the turn, so the first, back from the disk, can take the turn again and end."""
+    directory = tmp_path / "dir"
+    directory.mkdir()
+    first_flushing, second_asks = threading.Event(), threading.Event()
+    fsync = os.fsync
+
+    def slow_fsync(fd):
+        if threading.current_thread().name == "first":
+            first_flushing.set()
+            assert second_asks.wait(HANG_SECONDS)
+            time.sleep(0.05)  # the second is then waiting on the flush, not merely about to
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", slow_fsync)
+
+    def second():
+        assert first_flushing.wait(HANG_SECONDS)
+        second_asks.set()
+        turn.taking(partial(files.flush_directory, str(directory)))
+
+    threads = [lambda: turn.taking(partial(files.flush_directory, str(directory))), second]
+    errors: list[BaseException] = []
+
+    def named(target, name):
+        thread = threading.Thread(target=lambda: _guard(target, errors), name=name, daemon=True)
+        thread.start()
+        return thread
+
+    started = [named(threads[0], "first"), named(threads[1], "second")]
+    for thread in started:
+        thread.join(HANG_SECONDS)
+    assert not any(t.is_alive() for t in started), "a thread is stuck: the turn deadlocked"
+    assert errors == []
+
+
+def _guard(target, errors: list) -> None:
+    try:
+        target()
+    except BaseException as exc:  # reported by the test
+        errors.append(exc)
 
 
 def test_threads_racing_in_the_turn_on_the_same_items_finish_every_one(tmp_path):

@@ -183,7 +183,7 @@ async def claim(request: Request, queue: str) -> Answer:
         if config is None:
             raise UnknownQueue(f"queue {queue!r} was deleted")
         posted = hub.available_mark(queue)
-        items = await run(store.claim_items, config=config, max_items=max_items)
+        items = await _claim_whole(store, config, max_items)
         remaining = deadline - _clock()
         if items or remaining <= 0 or request.gone:
             break
@@ -195,6 +195,29 @@ async def claim(request: Request, queue: str) -> Answer:
         items = []
     return Answer(200, {"items": claimed(items, config.max_attempts)})
 
+
+
+_giving_back: set[asyncio.Task] = set()  # kept referenced until they end
+
+
+async def _claim_whole(store, config, max_items: int) -> list:
+    """A claim that the request's cancellation (a stop) cannot cut short, leaving items claimed
+    for nobody: if it comes while the claim runs, the claim's items go back as soon as it ends."""
+    claiming = asyncio.ensure_future(run(store.claim_items, config=config, max_items=max_items))
+    try:
+        return await asyncio.shield(claiming)
+    except asyncio.CancelledError:
+        claiming.add_done_callback(lambda done: _give_back(config, done))
+        raise
+
+
+def _give_back(config, claiming: asyncio.Future) -> None:
+    if claiming.cancelled() or claiming.exception() is not None or not claiming.result():
+        return
+    releases = [Release(config, item.id, item.claim_token, reason="shutdown") for item in claiming.result()]
+    task = asyncio.ensure_future(run(get_store().release_items, releases=releases))
+    _giving_back.add(task)
+    task.add_done_callback(_giving_back.discard)
 
 @router.add("POST", "/api/queues/{queue}/items/{item_id}/result")
 async def hand_in_result(request: Request, queue: str, item_id: str) -> Answer:
