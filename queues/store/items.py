@@ -410,15 +410,19 @@ class ItemFiles:
     def ended(self, queue: str, moved: list[tuple[str, Item]]) -> None:
         """After done/ was flushed: remove the items' old files, count them, and say they ended
         (so whoever is told finds each in one state). A removal may wait for the disk to discard
-        the file's block: out of the store's turn."""
-        for state, done in moved:
-            try:
-                turn.outside(files.remove, self.layout.item(queue, state, done.id))
-            except OSError:  # done wins over the copy left, and the sweep removes it
-                log.warning("could not remove the old file of %s in %s", done.id, queue, exc_info=True)
+        the file's block: the removals are one wait, out of the store's turn."""
+        turn.outside(self._remove_old_files, queue, moved)
+        for _, done in moved:
             self.tallies.count(queue, done.status, done.finished_at)
         self.events.items_terminal(queue, [done.id for _, done in moved])
         self.observer.items_ended(queue, [done for _, done in moved])
+
+    def _remove_old_files(self, queue: str, moved: list[tuple[str, Item]]) -> None:
+        for state, done in moved:
+            try:
+                files.remove(self.layout.item(queue, state, done.id))
+            except OSError:  # done wins over the copy left, and the sweep removes it
+                log.warning("could not remove the old file of %s in %s", done.id, queue, exc_info=True)
 
     def end(self, queue: str, state: str, done: Item) -> bool:
         """Move an item from `state`/ to done/ with this content, durably; False if done/ had it
