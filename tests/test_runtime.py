@@ -20,16 +20,21 @@ def _store_with_items(tmp_path, count: int) -> Store:
     return store
 
 
-async def test_a_big_claim_is_one_claim_of_the_oldest_items(tmp_path):
-    store = _store_with_items(tmp_path, 30)
-    config = QueueConfig(name=Q)
+def _watched_claims(store: Store):
+    """The store's claim_items, and where each call of it ran: (on the loop's thread, max_items)."""
     where = []
 
     def claim_items(**kwargs):
         where.append((threading.current_thread() is threading.main_thread(), kwargs["max_items"]))
         return store.claim_items(**kwargs)
 
-    claimed = await run(claim_items, config=config, max_items=20)
+    return claim_items, where
+
+
+async def test_a_big_claim_is_one_claim_of_the_oldest_items(tmp_path):
+    claim_items, where = _watched_claims(_store_with_items(tmp_path, 30))
+
+    claimed = await run(claim_items, config=QueueConfig(name=Q), max_items=20)
 
     assert [item.payload for item in claimed] == list(range(20))
     assert len({item.claim_token for item in claimed}) == 20
@@ -37,29 +42,19 @@ async def test_a_big_claim_is_one_claim_of_the_oldest_items(tmp_path):
 
 
 async def test_a_claim_that_finds_few_items_never_leaves_the_loop(tmp_path):
-    store = _store_with_items(tmp_path, 3)
-    calls = []
-
-    def claim_items(**kwargs):
-        calls.append(kwargs["max_items"])
-        return store.claim_items(**kwargs)
+    claim_items, where = _watched_claims(_store_with_items(tmp_path, 3))
 
     claimed = await run(claim_items, config=QueueConfig(name=Q), max_items=100)
 
-    assert len(claimed) == 3 and calls == [runtime.CLAIMS_ON_LOOP]
+    assert len(claimed) == 3 and where == [(True, runtime.CLAIMS_ON_LOOP)]
 
 
 async def test_a_claim_of_no_more_than_the_loop_takes_never_leaves_it(tmp_path):
-    store = _store_with_items(tmp_path, 30)
-    calls = []
-
-    def claim_items(**kwargs):
-        calls.append(kwargs["max_items"])
-        return store.claim_items(**kwargs)
+    claim_items, where = _watched_claims(_store_with_items(tmp_path, 30))
 
     claimed = await run(claim_items, config=QueueConfig(name=Q), max_items=runtime.CLAIMS_ON_LOOP)
 
-    assert len(claimed) == runtime.CLAIMS_ON_LOOP and calls == [runtime.CLAIMS_ON_LOOP]
+    assert len(claimed) == runtime.CLAIMS_ON_LOOP and where == [(True, runtime.CLAIMS_ON_LOOP)]
 
 
 async def test_a_claim_that_fails_after_its_first_items_ends_with_them(tmp_path):

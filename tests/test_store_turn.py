@@ -92,7 +92,6 @@ def test_a_thread_waiting_for_an_item_lock_lets_the_holder_go_on(tmp_path):
             order.append("b done")
 
     def a():
-        assert b_holds.wait(HANG_SECONDS)
         a_asks.set()
         with locks.hold("ab"):
             order.append("a holds")
@@ -101,7 +100,8 @@ def test_a_thread_waiting_for_an_item_lock_lets_the_holder_go_on(tmp_path):
         assert a_asks.wait(HANG_SECONDS)
         turn.taking(go_on.set)  # needs the turn, which A has unless it let go while it waits
 
-    assert _run_threads([lambda: turn.taking(b), lambda: turn.taking(a), main]) == []
+    # A asks once B holds the lock (so A, not B, waits in the turn)
+    assert _run_threads([lambda: turn.taking(b), lambda: b_holds.wait(HANG_SECONDS) and turn.taking(a), main]) == []
     assert order == ["b done", "a holds"]
 
 

@@ -2,6 +2,7 @@
 The lifecycle rules live in the store; a handler only translates."""
 
 import asyncio
+import logging
 import time
 
 from .. import ids
@@ -21,7 +22,7 @@ from ..protocol import (
     number_param,
     run_at_field,
 )
-from ..runtime import get_registry, get_store, run
+from ..runtime import CLAIMS_ON_LOOP, get_registry, get_store, run
 from ..services import describe_queue
 from ..store import ABSENT, NewItem, Posted, Release, single
 from ..store.keys import check_key
@@ -36,6 +37,7 @@ POST_SHAPE = 'post {"payload": P} or {"items": [{"payload": P}, ...]}'
 ITEM_FIELDS = {"payload", "delay", "runAt", "key"}
 
 router = Router()
+log = logging.getLogger(__name__)
 
 
 def _item_id(item_id: str) -> str:
@@ -201,23 +203,35 @@ _giving_back: set[asyncio.Task] = set()  # kept referenced until they end
 
 
 async def _claim_whole(store, config, max_items: int) -> list:
-    """A claim that the request's cancellation (a stop) cannot cut short, leaving items claimed
-    for nobody: if it comes while the claim runs, the claim's items go back as soon as it ends."""
+    """A claim that the request's cancellation cannot cut in two, leaving items claimed for
+    nobody: if it comes while the claim's rest runs in a store thread, the claim's items go back
+    as soon as it ends. (A claim that stays on the loop has nothing to cut. At a stop, what the
+    server has not finished past its grace is cancelled, this too: those items wait for their
+    lease.)"""
+    if max_items <= CLAIMS_ON_LOOP:
+        return await run(store.claim_items, config=config, max_items=max_items)
     claiming = asyncio.ensure_future(run(store.claim_items, config=config, max_items=max_items))
     try:
         return await asyncio.shield(claiming)
     except asyncio.CancelledError:
-        claiming.add_done_callback(lambda done: _give_back(config, done))
+        claiming.add_done_callback(lambda done: _give_back(store, config, done))
         raise
 
 
-def _give_back(config, claiming: asyncio.Future) -> None:
+def _give_back(store, config, claiming: asyncio.Future) -> None:
     if claiming.cancelled() or claiming.exception() is not None or not claiming.result():
         return
     releases = [Release(config, item.id, item.claim_token, reason="shutdown") for item in claiming.result()]
-    task = asyncio.ensure_future(run(get_store().release_items, releases=releases))
+    task = asyncio.ensure_future(run(store.release_items, releases=releases))
     _giving_back.add(task)
-    task.add_done_callback(_giving_back.discard)
+    task.add_done_callback(_gave_back)
+
+
+def _gave_back(task: asyncio.Task) -> None:
+    _giving_back.discard(task)
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("could not give back the items of a cancelled claim", exc_info=task.exception())
+
 
 @router.add("POST", "/api/queues/{queue}/items/{item_id}/result")
 async def hand_in_result(request: Request, queue: str, item_id: str) -> Answer:
