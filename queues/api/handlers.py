@@ -198,7 +198,6 @@ async def claim(request: Request, queue: str) -> Answer:
     return Answer(200, {"items": claimed(items, config.max_attempts)})
 
 
-
 _giving_back: set[asyncio.Task] = set()  # kept referenced until they end
 
 
