@@ -19,16 +19,22 @@ PROJECT = Path(__file__).resolve().parent.parent
 HANG_SECONDS = 120  # far beyond the work: a thread still running then is stuck, not slow
 
 
-def _run_threads(targets) -> list[BaseException]:
+def _guard(target, errors: list) -> None:
+    try:
+        target()
+    except BaseException as exc:  # reported by the test
+        errors.append(exc)
+
+
+def _run_threads(targets, names=()) -> list[BaseException]:
+    """Run each target in a thread of its own (named from `names`, if given) until all end; what
+    they raised. A thread still running after HANG_SECONDS fails the test."""
     errors: list[BaseException] = []
-
-    def guarded(target):
-        try:
-            target()
-        except BaseException as exc:  # reported by the test
-            errors.append(exc)
-
-    threads = [threading.Thread(target=guarded, args=(t,), daemon=True) for t in targets]
+    names = list(names) or [None] * len(targets)
+    threads = [
+        threading.Thread(target=_guard, args=(target, errors), name=name, daemon=True)
+        for target, name in zip(targets, names)
+    ]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -127,26 +133,8 @@ def test_a_thread_waiting_for_another_threads_directory_flush_lets_it_end(tmp_pa
         second_asks.set()
         turn.taking(partial(files.flush_directory, str(directory)))
 
-    threads = [lambda: turn.taking(partial(files.flush_directory, str(directory))), second]
-    errors: list[BaseException] = []
-
-    def named(target, name):
-        thread = threading.Thread(target=lambda: _guard(target, errors), name=name, daemon=True)
-        thread.start()
-        return thread
-
-    started = [named(threads[0], "first"), named(threads[1], "second")]
-    for thread in started:
-        thread.join(HANG_SECONDS)
-    assert not any(t.is_alive() for t in started), "a thread is stuck: the turn deadlocked"
-    assert errors == []
-
-
-def _guard(target, errors: list) -> None:
-    try:
-        target()
-    except BaseException as exc:  # reported by the test
-        errors.append(exc)
+    first = partial(turn.taking, partial(files.flush_directory, str(directory)))
+    assert _run_threads([first, second], names=["first", "second"]) == []
 
 
 def test_threads_racing_in_the_turn_on_the_same_items_finish_every_one(tmp_path):

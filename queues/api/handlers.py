@@ -192,8 +192,7 @@ async def claim(request: Request, queue: str) -> Answer:
         await hub.wait_available(queue, min(remaining, RECHECK_SECONDS), since=posted)
     if items and request.gone:
         # nobody will work them: hand them to the next claimant now
-        releases = [Release(config, item.id, item.claim_token, reason="socket") for item in items]
-        await run(store.release_items, releases=releases)
+        await run(store.release_items, releases=_given_back(config, items, reason="socket"))
         items = []
     return Answer(200, {"items": claimed(items, config.max_attempts)})
 
@@ -220,10 +219,14 @@ async def _claim_whole(store, config, max_items: int) -> list:
 def _give_back(store, config, claiming: asyncio.Future) -> None:
     if claiming.cancelled() or claiming.exception() is not None or not claiming.result():
         return
-    releases = [Release(config, item.id, item.claim_token, reason="shutdown") for item in claiming.result()]
+    releases = _given_back(config, claiming.result(), reason="shutdown")
     task = asyncio.ensure_future(run(store.release_items, releases=releases))
     _giving_back.add(task)
     task.add_done_callback(_gave_back)
+
+
+def _given_back(config, items: list, *, reason: str) -> list[Release]:
+    return [Release(config, item.id, item.claim_token, reason=reason) for item in items]
 
 
 def _gave_back(task: asyncio.Task) -> None:
