@@ -41,8 +41,8 @@ def copy_file(store: Store, item_id: str, source: str, target: str) -> None:
 
 
 def half_written(store: Store, queue: str = Q) -> list[str]:
-    """What tmp/ holds: files a writer left half done."""
-    return files_in(store, "tmp", queue)
+    """What tmp/ holds but the old files kept for reuse: files a writer left half done."""
+    return [name for name in files_in(store, "tmp", queue) if not name.endswith(".spare")]
 
 
 def first_listing_done(store: Store, queue: str = Q) -> None:

@@ -183,3 +183,115 @@ def test_a_write_that_fails_leaves_nothing(tmp_path, faults):
     with pytest.raises(OSError):
         files.write_new(str(directory / "new.json"), b"data")
     assert os.listdir(directory) == []
+
+
+# ---- spare files: an old file retired is taken over by the next write -------------------------
+
+
+def _old_file(directory, name: str, data: bytes) -> str:
+    """An item's file as the store leaves it: owner-only, a claim record in an xattr."""
+    directory.mkdir(exist_ok=True)
+    path = directory / name
+    path.write_bytes(data)
+    path.chmod(0o600)
+    os.setxattr(path, "user.taskhoster", b"1 2 3 claim")
+    return str(path)
+
+
+@pytest.mark.parametrize("size", [3000, 5])
+def test_a_retired_file_is_taken_over_by_the_next_write_whole_and_bare(tmp_path, size):
+    old = _old_file(tmp_path / "processing", "a.json", b"x" * size)
+    inode = os.stat(old).st_ino
+    files.retire(old, str(tmp_path / "tmp" / "a.1.spare"))
+    assert os.listdir(tmp_path / "tmp") == ["a.1.spare"] and not os.path.exists(old)
+
+    files.write_new(str(tmp_path / "tmp" / "b.2.json"), b"new content")
+
+    new = tmp_path / "tmp" / "b.2.json"
+    assert os.listdir(tmp_path / "tmp") == ["b.2.json"]
+    assert os.stat(new).st_ino == inode
+    assert new.read_bytes() == b"new content"  # nothing of the old bytes, shorter or longer
+    assert os.listxattr(new) == []  # no claim record carried over to another item
+    assert stat.S_IMODE(os.stat(new).st_mode) == 0o600
+
+
+def test_a_file_other_names_link_is_removed_not_reused(tmp_path):
+    """An item's first file is linked by its idempotency key: reused, the key would name
+    another item's content."""
+    old = _old_file(tmp_path / "processing", "a.json", b"the keyed item")
+    (tmp_path / "keys").mkdir()
+    os.link(old, tmp_path / "keys" / "k")
+    files.retire(old, str(tmp_path / "tmp" / "a.1.spare"))
+    assert os.listdir(tmp_path / "tmp") == []
+
+    files.write_new(str(tmp_path / "tmp" / "b.2.json"), b"new content")
+
+    assert (tmp_path / "keys" / "k").read_bytes() == b"the keyed item"
+    assert os.stat(tmp_path / "tmp" / "b.2.json").st_ino != os.stat(tmp_path / "keys" / "k").st_ino
+
+
+@pytest.mark.parametrize("mode", [0o644, 0o700])
+def test_a_file_not_as_the_store_makes_them_is_removed_not_reused(tmp_path, mode):
+    old = _old_file(tmp_path / "processing", "a.json", b"someone's file")
+    os.chmod(old, mode)
+    files.retire(old, str(tmp_path / "tmp" / "a.1.spare"))
+    assert os.listdir(tmp_path / "tmp") == []
+
+
+def test_a_spare_removed_meanwhile_is_passed_over(tmp_path):
+    for n in range(2):
+        files.retire(_old_file(tmp_path / "processing", f"{n}.json", b"old"), str(tmp_path / "tmp" / f"{n}.spare"))
+    os.unlink(tmp_path / "tmp" / "1.spare")  # the sweep, say
+    files.write_new(str(tmp_path / "tmp" / "b.json"), b"new")
+    files.write_new(str(tmp_path / "tmp" / "c.json"), b"new too")
+    assert sorted(os.listdir(tmp_path / "tmp")) == ["b.json", "c.json"]
+    assert (tmp_path / "tmp" / "c.json").read_bytes() == b"new too"
+
+
+def test_spares_kept_are_bounded_the_rest_removed(tmp_path, monkeypatch):
+    monkeypatch.setattr(files, "MOST_SPARES", 2)
+    for n in range(4):
+        files.retire(_old_file(tmp_path / "processing", f"{n}.json", b"old"), str(tmp_path / "tmp" / f"{n}.spare"))
+    assert sorted(os.listdir(tmp_path / "tmp")) == ["0.spare", "1.spare"]
+
+
+@pytest.mark.parametrize("fault", [dict(calls={"write"}, short=0), dict(calls={"truncate"}, error=errno.EIO)])
+def test_a_write_into_a_spare_that_fails_leaves_nothing(tmp_path, faults, fault):
+    """Never a file of the new name holding part of the old bytes (or zeros past the new ones)."""
+    files.retire(_old_file(tmp_path / "processing", "a.json", b"x" * 3000), str(tmp_path / "tmp" / "a.spare"))
+    faults.fail(at=1, **fault)
+    with pytest.raises(OSError):
+        files.write_new(str(tmp_path / "tmp" / "b.json"), b"new content")
+    assert os.listdir(tmp_path / "tmp") == []
+
+
+def test_the_old_file_of_an_item_that_ended_makes_the_next_post(store, config):
+    """What a result frees, the next post takes: no file removed and made per item. The new item
+    shows nothing of the old one (its claim record least of all)."""
+    [first] = post(store, {"n": 1})
+    claim_one(store, config)
+    old_inode = os.stat(queue_dir(store) / "processing" / f"{first}.json").st_ino
+    assert finish(store, config, first, "done").accepted
+    assert [name.endswith(".spare") for name in files_in(store, "tmp")] == [True]
+
+    [second] = post(store, {"n": 2})
+
+    assert files_in(store, "tmp") == []
+    assert os.stat(queue_dir(store) / "pending" / f"{second}.json").st_ino == old_inode
+    item = store.read_item(queue=Q, item_id=second)
+    assert (item.status, item.payload, item.claimed_at, item.claim_token, item.attempts) == ("pending", {"n": 2}, None, None, 0)
+    assert store.read_item(queue=Q, item_id=first).result == "done"
+
+
+def test_spares_a_stopped_server_left_are_removed_by_the_sweep_an_hour_later(store, config):
+    [item_id] = post(store, {"n": 1})
+    claim_one(store, config)
+    finish(store, config, item_id, "done")
+    [spare] = files_in(store, "tmp")
+    store.sweep_queue(config=config)
+    assert files_in(store, "tmp") == [spare]  # just kept: left alone
+    os.utime(queue_dir(store) / "tmp" / spare, (0, 0))  # an hour and more later
+    store.sweep_queue(config=config)
+    assert files_in(store, "tmp") == []
+    post(store, {"n": 2})  # the spare this process remembers is gone: a new file is made
+    assert len(files_in(store, "pending")) == 1

@@ -2,6 +2,10 @@
 
 - A file is written whole or not at all (`write_new`): a write the disk cuts short is carried on,
   one that writes nothing means the disk is full, and on any failure the file is removed.
+- A file no longer needed is `retire`d: moved aside into the directory where files are made
+  (tmp/), where the next file made takes it over instead of a new one. Ext4 without a journal
+  does not reuse an inode removed in the last minutes: making a file scans past every such
+  inode, so a store that removes a file for each it makes pays more per file the faster it goes.
 - Files and directories reach the disk through `flush_files` and `flush_directory`. Concurrent
   callers share a directory's flush (group commit): each waits for the first flush of the
   directory that starts after it asked, and one of them runs it for all.
@@ -18,6 +22,7 @@ import errno
 import logging
 import os
 import shutil
+import stat
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -30,7 +35,10 @@ NO_XATTRS = (errno.ENOTSUP, errno.EOPNOTSUPP)
 _START_WRITEBACK = hasattr(os, "posix_fadvise")  # not on macOS
 _READ_SIZE = 1 << 16
 
+MOST_SPARES = 256  # retired files kept for reuse, per directory; the rest are removed
+
 fault: Callable[[str, str], int | None] | None = None
+_spares: dict[str, list[str]] = {}  # directory -> the retired files in it this process may reuse
 
 log = logging.getLogger(__name__)
 
@@ -75,9 +83,12 @@ def _close(fd: int, path: str) -> None:
 
 def _written(path: str, data: bytes, mtime: float | None) -> int:
     """The descriptor of a new file holding `data`; on any failure the file is removed."""
-    fd = _open_new(path)
+    fd, reused = _open_new(path)
     try:
         _write_all(fd, path, data)
+        if reused:  # cut what is left of the old content
+            _before("truncate", path)
+            os.ftruncate(fd, len(data))
         if mtime is not None:
             _before("utime", path)
             os.utime(fd, (mtime, mtime))
@@ -90,14 +101,34 @@ def _written(path: str, data: bytes, mtime: float | None) -> int:
     return fd
 
 
-def _open_new(path: str) -> int:
+def _open_new(path: str) -> tuple[int, bool]:
+    """A descriptor of the file `path`, new or a retired file taken over (True: its old bytes
+    are still there to be written over and cut). Files are retired into tmp/ only, where every
+    name is new, so a rename onto `path` replaces nothing."""
+    spares = _spares.get(os.path.dirname(path))
+    while spares:
+        try:
+            spare = spares.pop()
+        except IndexError:  # another thread took the last one
+            break
+        _before("rename", path)
+        try:
+            os.rename(spare, path)
+        except FileNotFoundError:  # removed meanwhile: by the sweep, or with its queue
+            continue
+        try:
+            _before("open", path)
+            return os.open(path, os.O_WRONLY | os.O_CLOEXEC), True
+        except BaseException:
+            remove_quietly(path)
+            raise
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
     _before("create", path)
     try:
-        return os.open(path, flags, FILE_MODE)
+        return os.open(path, flags, FILE_MODE), False
     except FileNotFoundError:
         make_directory(os.path.dirname(path))
-        return os.open(path, flags, FILE_MODE)
+        return os.open(path, flags, FILE_MODE), False
 
 
 def _write_all(fd: int, path: str, data: bytes) -> None:
@@ -207,6 +238,41 @@ def remove(path: str) -> bool:
         return True
     except FileNotFoundError:
         return False
+
+
+def retire(path: str, aside: str) -> None:
+    """Be done with the file at `path` (FileNotFoundError if it is gone): move it to `aside`, a
+    new name in the directory where files are made, for the next file made there to take over,
+    its extended attributes removed. One that other names link, one not as the store makes
+    files (a plain file, owner-only), or one too many, is removed."""
+    move(path, aside)
+    spares = _spares.setdefault(os.path.dirname(aside), [])
+    try:
+        if len(spares) < MOST_SPARES and _reusable(os.lstat(aside)):
+            _remove_xattrs(aside)
+            _before("utime", aside)
+            os.utime(aside)  # now: the sweep removes a spare only once it was left for an hour
+            spares.append(aside)
+            return
+    except OSError:
+        log.warning("could not keep %s for reuse", aside, exc_info=True)
+    remove_quietly(aside)
+
+
+def _reusable(info: os.stat_result) -> bool:
+    return info.st_nlink == 1 and info.st_mode == stat.S_IFREG | FILE_MODE
+
+
+def _remove_xattrs(path: str) -> None:
+    try:
+        names = os.listxattr(path)
+    except OSError as exc:
+        if exc.errno in NO_XATTRS:
+            return
+        raise
+    for name in names:
+        _before("removexattr", path)
+        os.removexattr(path, name)
 
 
 def remove_tree(path: str) -> None:
@@ -359,6 +425,8 @@ class _DirectoryFlush:
 def forget_directories(prefix: str) -> None:
     """Drop what is kept about directories below `prefix` (a queue being deleted)."""
     _DirectoryFlush.forget_below(prefix)
+    for directory in [d for d in _spares if d.startswith(prefix)]:
+        _spares.pop(directory, None)
 
 
 # ---- reading -------------------------------------------------------------------------------

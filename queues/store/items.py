@@ -328,10 +328,7 @@ class ItemFiles:
         except BaseException:  # not flushed there: the old copy, still in place, stays the item
             files.remove_quietly(self.layout.item(queue, target, item.id))
             raise
-        try:
-            files.remove(self.layout.item(queue, source, item.id))
-        except OSError:
-            log.warning("could not remove the old file of %s in %s: the sweep will", item.id, queue, exc_info=True)
+        self._retire(queue, source, item.id)
         if target == "pending":
             self.index(queue).push([item.id])
         return item
@@ -408,21 +405,28 @@ class ItemFiles:
             files.remove_quietly(self.layout.mark(queue, mark, done.id))
 
     def ended(self, queue: str, moved: list[tuple[str, Item]]) -> None:
-        """After done/ was flushed: remove the items' old files, count them, and say they ended
-        (so whoever is told finds each in one state). A removal may wait for the disk to discard
-        the file's block: the removals are one wait, out of the store's turn."""
-        turn.outside(self._remove_old_files, queue, moved)
+        """After done/ was flushed: retire the items' old files, count them, and say they ended
+        (so whoever is told finds each in one state). A file retired but not kept is removed,
+        which may wait for the disk to discard its block: the retirements are one wait, out of
+        the store's turn."""
+        turn.outside(self._retire_all, queue, moved)
         for _, done in moved:
             self.tallies.count(queue, done.status, done.finished_at)
         self.events.items_terminal(queue, [done.id for _, done in moved])
         self.observer.items_ended(queue, [done for _, done in moved])
 
-    def _remove_old_files(self, queue: str, moved: list[tuple[str, Item]]) -> None:
+    def _retire_all(self, queue: str, moved: list[tuple[str, Item]]) -> None:
         for state, done in moved:
-            try:
-                files.remove(self.layout.item(queue, state, done.id))
-            except OSError:  # done wins over the copy left, and the sweep removes it
-                log.warning("could not remove the old file of %s in %s", done.id, queue, exc_info=True)
+            self._retire(queue, state, done.id)
+
+    def _retire(self, queue: str, state: str, item_id: str) -> None:
+        """Be done with the item's old file in `state`/ (its new one is in place, flushed)."""
+        try:
+            files.retire(self.layout.item(queue, state, item_id), self.layout.spare(queue, item_id))
+        except FileNotFoundError:
+            pass  # the sweep settled the two copies first
+        except OSError:  # the newer copy wins over the one left, and the sweep removes it
+            log.warning("could not set aside the old file of %s in %s", item_id, queue, exc_info=True)
 
     def end(self, queue: str, state: str, done: Item) -> bool:
         """Move an item from `state`/ to done/ with this content, durably; False if done/ had it

@@ -2,6 +2,7 @@
 
     <root>/<queue>/<state>/<id>.json     item files; the directory is the item's state
     <root>/<queue>/tmp/<id>.<nonce>.json  files being written, before they are moved into place
+    <root>/<queue>/tmp/<id>.<nonce>.spare  old files of items, kept for the next write to reuse
     <root>/<queue>/quarantine/            unreadable files, moved out of the way
     <root>/<queue>/failed/<id>            marks of done items that failed (counts read no file)
     <root>/<queue>/fetched/<id>           marks of done items fetched once; mtime: the first fetch
@@ -31,6 +32,7 @@ MARKS = ("failed", "fetched", "errors")
 DIRECTORIES = (*STATES, *MARKS, "quarantine", "stats", "locks", "schedule", "keys")
 SLOT_SECONDS = 10  # a schedule slot: the marks of items due within the same ten seconds
 ITEM_SUFFIX = ".json"
+SPARE_SUFFIX = ".spare"
 
 
 def is_valid_queue_name(name: object) -> bool:
@@ -70,6 +72,10 @@ class Layout:
         if not ids.is_valid_id(item_id):
             raise UnsafePath(f"bad id {str(item_id)[:80]!r}")
         return f"{self.queue_dir(queue)}/tmp/{item_id}.{secrets.token_hex(6)}{ITEM_SUFFIX}"
+
+    def spare(self, queue: str, item_id: str) -> str:
+        """A new name in tmp/ for an old file of this item, kept for reuse (see files.retire)."""
+        return self.tmp(queue, item_id)[: -len(ITEM_SUFFIX)] + SPARE_SUFFIX
 
     def mark(self, queue: str, mark: str, item_id: str) -> str:
         if mark not in MARKS or not ids.is_valid_id(item_id):
