@@ -255,6 +255,12 @@ def test_spares_kept_are_bounded_the_rest_removed(tmp_path, monkeypatch):
     assert sorted(os.listdir(tmp_path / "tmp")) == ["0.spare", "1.spare"]
 
 
+def test_a_large_file_is_removed_not_kept_holding_its_blocks(tmp_path):
+    files.retire(_old_file(tmp_path / "processing", "a.json", b"x" * 5000), str(tmp_path / "tmp" / "a.spare"))
+    files.retire(_old_file(tmp_path / "processing", "b.json", b"x" * 4096), str(tmp_path / "tmp" / "b.spare"))
+    assert os.listdir(tmp_path / "tmp") == ["b.spare"]
+
+
 @pytest.mark.parametrize("fault", [dict(calls={"write"}, short=0), dict(calls={"truncate"}, error=errno.EIO)])
 def test_a_write_into_a_spare_that_fails_leaves_nothing(tmp_path, faults, fault):
     """Never a file of the new name holding part of the old bytes (or zeros past the new ones)."""

@@ -35,7 +35,8 @@ NO_XATTRS = (errno.ENOTSUP, errno.EOPNOTSUPP)
 _START_WRITEBACK = hasattr(os, "posix_fadvise")  # not on macOS
 _READ_SIZE = 1 << 16
 
-MOST_SPARES = 256  # retired files kept for reuse, per directory; the rest are removed
+MOST_SPARES = 4096  # retired files kept for reuse, per directory; the rest are removed
+LARGEST_SPARE = 4096  # bytes: a larger file is removed, not kept holding its blocks
 
 fault: Callable[[str, str], int | None] | None = None
 _spares: dict[str, list[str]] = {}  # directory -> the retired files in it this process may reuse
@@ -244,7 +245,7 @@ def retire(path: str, aside: str) -> None:
     """Be done with the file at `path` (FileNotFoundError if it is gone): move it to `aside`, a
     new name in the directory where files are made, for the next file made there to take over,
     its extended attributes removed. One that other names link, one not as the store makes
-    files (a plain file, owner-only), or one too many, is removed."""
+    files (a plain file, owner-only), a large one, or one too many, is removed."""
     move(path, aside)
     spares = _spares.setdefault(os.path.dirname(aside), [])
     try:
@@ -260,7 +261,7 @@ def retire(path: str, aside: str) -> None:
 
 
 def _reusable(info: os.stat_result) -> bool:
-    return info.st_nlink == 1 and info.st_mode == stat.S_IFREG | FILE_MODE
+    return info.st_nlink == 1 and info.st_mode == stat.S_IFREG | FILE_MODE and info.st_size <= LARGEST_SPARE
 
 
 def _remove_xattrs(path: str) -> None:
