@@ -128,6 +128,30 @@ def test_a_post_that_fails_leaves_no_item_and_the_next_try_posts(tmp_path, kind,
             assert store.read_item(queue=Q, item_id=item.id).payload == item.payload
 
 
+def with_a_spare(store, clock) -> list[str]:
+    """An item ended, so the next file made takes its old one over."""
+    [item_id] = posted(store, clock, count=1)
+    store.claim_items(config=CONFIG)
+    store.finish_items(results=[(CONFIG, item_id, "r")])
+    return []
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_post_into_a_spare_file_that_fails_leaves_no_item_and_no_stray_file(tmp_path, kind):
+    walk = Walk(tmp_path, with_a_spare, lambda store, clock, ids: post_batch(store, Q, [{"n": 1}]))
+    for store, clock, _, _, outcome in walk.each_fault(kind):
+        if isinstance(outcome, StorageUnavailable):
+            assert files_in(store, "pending") == []
+            outcome = post_batch(store, Q, [{"n": 1}])
+        assert files_in(store, "pending") == [f"{outcome[0].id}.json"]
+        assert store.read_item(queue=Q, item_id=outcome[0].id).payload == {"n": 1}
+        # what tmp/ holds is a spare this process still takes over: posting as many leaves none
+        spares = [name for name in files_in(store, "tmp") if name.endswith(".spare")]
+        if spares:
+            post_batch(store, Q, [{"n": n} for n in range(len(spares))])
+        assert [name for name in files_in(store, "tmp") if name.endswith(".spare")] == []
+
+
 # ---- claims ----------------------------------------------------------------------------------
 
 

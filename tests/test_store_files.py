@@ -301,3 +301,83 @@ def test_spares_a_stopped_server_left_are_removed_by_the_sweep_an_hour_later(sto
     assert files_in(store, "tmp") == []
     post(store, {"n": 2})  # the spare this process remembers is gone: a new file is made
     assert len(files_in(store, "pending")) == 1
+
+
+def test_a_spare_of_the_same_item_is_not_taken_over(tmp_path):
+    """After a power cut, a name of the item's old file that a state directory kept could share
+    the inode with its new one."""
+    files.retire(_old_file(tmp_path / "pending", "a.json", b"old"), str(tmp_path / "tmp" / "a.1.spare"))
+    files.write_new(str(tmp_path / "tmp" / "a.2.json"), b"the same item again")
+    assert sorted(os.listdir(tmp_path / "tmp")) == ["a.1.spare", "a.2.json"]
+    files.write_new(str(tmp_path / "tmp" / "b.3.json"), b"another item")
+    assert sorted(os.listdir(tmp_path / "tmp")) == ["a.2.json", "b.3.json"]
+
+
+def test_a_spare_looks_new_before_it_takes_the_new_name(tmp_path, monkeypatch):
+    """The sweep removes tmp/ files that look an hour old: never the file just being written."""
+    spare = tmp_path / "tmp" / "a.spare"
+    files.retire(_old_file(tmp_path / "pending", "a.json", b"old"), str(spare))
+    os.utime(spare, (0, 0))
+    seen = []
+
+    def at(call, path):
+        if call == "rename":
+            seen.append(os.stat(spare).st_mtime)
+
+    monkeypatch.setattr(files, "fault", at)
+    files.write_new(str(tmp_path / "tmp" / "b.json"), b"new")
+    assert seen and seen[0] > time.time() - 60
+
+
+def test_a_spare_that_cannot_be_taken_over_is_removed_and_a_new_file_made(tmp_path, faults):
+    files.retire(_old_file(tmp_path / "pending", "a.json", b"x" * 3000), str(tmp_path / "tmp" / "a.spare"))
+    faults.fail(at=1, calls={"utime"})
+    files.write_new(str(tmp_path / "tmp" / "b.json"), b"new")
+    assert os.listdir(tmp_path / "tmp") == ["b.json"]
+    assert (tmp_path / "tmp" / "b.json").read_bytes() == b"new"
+
+
+def test_retiring_the_file_of_a_deleted_queue_makes_nothing_again(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        files.retire(str(tmp_path / "gone" / "pending" / "a.json"), str(tmp_path / "gone" / "tmp" / "a.spare"))
+    assert not (tmp_path / "gone").exists()
+
+
+def test_only_the_stores_own_attributes_are_removed(tmp_path, monkeypatch):
+    """A system's attribute (SELinux labels every file) cannot be removed and must not stop reuse."""
+    removed = []
+
+    def remove(path, name):
+        if not name.startswith("user."):
+            raise PermissionError(errno.EACCES, "Permission denied", path)
+        removed.append(name)
+
+    monkeypatch.setattr(os, "listxattr", lambda path: ["security.selinux", "user.taskhoster"])
+    monkeypatch.setattr(os, "removexattr", remove)
+    files.retire(_old_file(tmp_path / "pending", "a.json", b"old"), str(tmp_path / "tmp" / "a.spare"))
+    assert removed == ["user.taskhoster"] and os.listdir(tmp_path / "tmp") == ["a.spare"]
+
+
+def test_without_xattr_calls_a_file_is_kept_all_the_same(tmp_path, monkeypatch):
+    old = _old_file(tmp_path / "pending", "a.json", b"old")
+    monkeypatch.delattr(os, "listxattr")  # as on macOS
+    files.retire(old, str(tmp_path / "tmp" / "a.spare"))
+    assert os.listdir(tmp_path / "tmp") == ["a.spare"]
+
+
+def test_a_reader_that_read_a_file_taken_over_meanwhile_looks_again_before_quarantining(store, monkeypatch):
+    """Without the item's lock, a reader may open a file that is then set aside and written over
+    for another item: what it reads is not the item, but the item is fine."""
+    [item_id] = post(store, {"n": 1})
+    real_read, reads = files.read, []
+
+    def read(path, **options):
+        if "/pending/" in path:
+            reads.append(path)
+            if len(reads) == 1:
+                return b'{"id": "another item"}', None
+        return real_read(path, **options)
+
+    monkeypatch.setattr(files, "read", read)
+    assert store.read_item(queue=Q, item_id=item_id).payload == {"n": 1}
+    assert len(reads) == 2 and files_in(store, "quarantine") == []

@@ -35,7 +35,7 @@ NO_XATTRS = (errno.ENOTSUP, errno.EOPNOTSUPP)
 _START_WRITEBACK = hasattr(os, "posix_fadvise")  # not on macOS
 _READ_SIZE = 1 << 16
 
-MOST_SPARES = 4096  # retired files kept for reuse, per directory; the rest are removed
+MOST_SPARES = 256  # retired files kept for reuse, per directory; the rest are removed
 LARGEST_SPARE = 4096  # bytes: a larger file is removed, not kept holding its blocks
 
 fault: Callable[[str, str], int | None] | None = None
@@ -106,17 +106,28 @@ def _open_new(path: str) -> tuple[int, bool]:
     """A descriptor of the file `path`, new or a retired file taken over (True: its old bytes
     are still there to be written over and cut). Files are retired into tmp/ only, where every
     name is new, so a rename onto `path` replaces nothing."""
-    spares = _spares.get(os.path.dirname(path))
+    directory, name = os.path.split(path)
+    spares = _spares.get(directory)
     while spares:
         try:
             spare = spares.pop()
         except IndexError:  # another thread took the last one
             break
-        _before("rename", path)
+        if os.path.basename(spare).partition(".")[0] == name.partition(".")[0]:
+            # never the same item's older file (names in tmp/ begin with the item's id): after a
+            # power cut, a name of it a state directory kept could share the inode with the new one
+            spares.append(spare)
+            break
         try:
+            _before("utime", spare)
+            os.utime(spare)  # first: the sweep never finds it under the new name looking old
+            _before("rename", path)
             os.rename(spare, path)
         except FileNotFoundError:  # removed meanwhile: by the sweep, or with its queue
             continue
+        except OSError:
+            remove_quietly(spare)
+            break
         try:
             _before("open", path)
             return os.open(path, os.O_WRONLY | os.O_CLOEXEC), True
@@ -246,7 +257,14 @@ def retire(path: str, aside: str) -> None:
     new name in the directory where files are made, for the next file made there to take over,
     its extended attributes removed. One that other names link, one not as the store makes
     files (a plain file, owner-only), a large one, or one too many, is removed."""
-    move(path, aside)
+    _before("rename", aside)
+    try:
+        os.rename(path, aside)
+    except FileNotFoundError:
+        if not os.path.lexists(path):
+            raise
+        make_directory(os.path.dirname(aside))  # tmp/ was removed: made again, as for any write
+        os.rename(path, aside)
     spares = _spares.setdefault(os.path.dirname(aside), [])
     try:
         if len(spares) < MOST_SPARES and _reusable(os.lstat(aside)):
@@ -265,6 +283,10 @@ def _reusable(info: os.stat_result) -> bool:
 
 
 def _remove_xattrs(path: str) -> None:
+    """Remove the file's `user.` attributes, the store's own (others, such as SELinux's label,
+    belong to the system)."""
+    if not hasattr(os, "listxattr"):  # not on macOS
+        return
     try:
         names = os.listxattr(path)
     except OSError as exc:
@@ -272,8 +294,9 @@ def _remove_xattrs(path: str) -> None:
             return
         raise
     for name in names:
-        _before("removexattr", path)
-        os.removexattr(path, name)
+        if name.startswith("user."):
+            _before("removexattr", path)
+            os.removexattr(path, name)
 
 
 def remove_tree(path: str) -> None:
@@ -426,7 +449,7 @@ class _DirectoryFlush:
 def forget_directories(prefix: str) -> None:
     """Drop what is kept about directories below `prefix` (a queue being deleted)."""
     _DirectoryFlush.forget_below(prefix)
-    for directory in [d for d in _spares if d.startswith(prefix)]:
+    for directory in [d for d in list(_spares) if d.startswith(prefix)]:
         _spares.pop(directory, None)
 
 

@@ -2,7 +2,7 @@
 ending it in done/ and recording a claim. The transitions and the sweep are made of these.
 
 An item ends by a done file written to tmp/ and flushed, linked into done/ (only if done/ has no
-file of it yet: the first to link wins), done/ flushed, and only then its old file removed. A
+file of it yet: the first to link wins), done/ flushed, and only then its old file retired. A
 crash in between leaves two copies: done wins everywhere, and the sweep removes the other. A
 failed item is also marked in failed/ (before its link), one finished with an error result in
 errors/, so counts never read a done file.
@@ -168,17 +168,21 @@ class ItemFiles:
     def read(self, queue: str, state: str, item_id: str) -> Item | None:
         """The item in `state`/; None if it is not there, or unreadable (then quarantined)."""
         path = self.layout.item(queue, state, item_id)
-        try:
-            raw, claim = files.read(path, xattr=CLAIM_XATTR if state != "done" and self.claim_xattrs else None)
-        except FileNotFoundError:
-            return None
-        try:
-            item = decode(raw, state=state, queue=queue, item_id=item_id)
-            return with_claim(item, claim) if claim else item
-        except Unreadable as exc:
-            log.warning("quarantining %s: %s", path, exc)
-            self.quarantine(queue, state, os.path.basename(path))
-            return None
+        # read twice before quarantining: a reader without the item's lock may have opened a file
+        # that was then set aside and taken over for another (see files.retire)
+        for _ in range(2):
+            try:
+                raw, claim = files.read(path, xattr=CLAIM_XATTR if state != "done" and self.claim_xattrs else None)
+            except FileNotFoundError:
+                return None
+            try:
+                item = decode(raw, state=state, queue=queue, item_id=item_id)
+                return with_claim(item, claim) if claim else item
+            except Unreadable as exc:
+                error = exc
+        log.warning("quarantining %s: %s", path, error)
+        self.quarantine(queue, state, os.path.basename(path))
+        return None
 
     def find(self, queue: str, item_id: str) -> tuple[str, Item] | None:
         """The item's state and content, in SEARCH_ORDER. Under the item's lock this is exact; without
@@ -320,7 +324,7 @@ class ItemFiles:
 
     def move_rewritten(self, queue: str, item: Item, source: str, target: str) -> Item:
         """Move an item from `source`/ to `target`/ with new content (under its lock): written in
-        `target`/ and flushed there, then its old file removed (so a power cut never leaves
+        `target`/ and flushed there, then its old file retired (so a power cut never leaves
         neither). Until the move it is as it was; a crash after it leaves two copies, and the
         sweep keeps the one in `target`/."""
         try:
