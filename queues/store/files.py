@@ -217,7 +217,7 @@ def move(source: str, target: str) -> None:
     try:
         os.rename(source, target)
     except FileNotFoundError:
-        if not _remade_parent(target):
+        if not _remade_parent(target, source):
             raise
         os.rename(source, target)
 
@@ -228,15 +228,16 @@ def link(source: str, target: str) -> None:
     try:
         os.link(source, target)
     except FileNotFoundError:
-        if not _remade_parent(target):
+        if not _remade_parent(target, source):
             raise
         os.link(source, target)
 
 
-def _remade_parent(path: str) -> bool:
-    """Make the directory `path` goes in if it is missing; True if it was."""
+def _remade_parent(path: str, source: str) -> bool:
+    """Make the directory `path` goes in if it is missing while `source` is still there (gone,
+    perhaps with its deleted queue, it makes nothing again); True if it was made."""
     parent = os.path.dirname(path)
-    if os.path.isdir(parent):
+    if os.path.isdir(parent) or not os.path.lexists(source):
         return False
     make_directory(parent)
     return True
@@ -257,14 +258,7 @@ def retire(path: str, aside: str) -> None:
     new name in the directory where files are made, for the next file made there to take over,
     its extended attributes removed. One that other names link, one not as the store makes
     files (a plain file, owner-only), a large one, or one too many, is removed."""
-    _before("rename", aside)
-    try:
-        os.rename(path, aside)
-    except FileNotFoundError:
-        if not os.path.lexists(path):
-            raise
-        make_directory(os.path.dirname(aside))  # tmp/ was removed: made again, as for any write
-        os.rename(path, aside)
+    move(path, aside)
     spares = _spares.setdefault(os.path.dirname(aside), [])
     try:
         if len(spares) < MOST_SPARES and _reusable(os.lstat(aside)):
