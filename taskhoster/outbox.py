@@ -86,7 +86,9 @@ class Outbox:
     def _sent(self) -> None:
         """The frame out has its answer (or will get none): the next one may go."""
         self._sending = False
-        if not self._run.failed:  # a hand-in that failed for good must not be sent again and again
+        # a turn only if results wait for this frame's end; and a hand-in that failed for good
+        # must not be sent again and again
+        if self._results and not self._run.failed:
             self._run.nudge()
 
     def _next_batch(self) -> list[tuple[str, str, Any, str]]:
