@@ -14,7 +14,7 @@ Async code calls the store through `run`, and only here is it decided where each
 
 import asyncio
 import logging
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from functools import lru_cache, partial
 
 from django.conf import settings
@@ -83,7 +83,36 @@ async def run(call, /, **kwargs):
 
 
 async def _in_store_thread(call, /, **kwargs):
-    return await asyncio.get_running_loop().run_in_executor(_store_threads(), partial(turn.taking, call, **kwargs))
+    """`call` in the store's threads, taking turns; its outcome handed straight back to the loop
+    (run_in_executor would chain two futures and check the call is no coroutine, every post)."""
+    loop = asyncio.get_running_loop()
+    answer = loop.create_future()
+    work = _store_threads().submit(turn.taking, call, **kwargs)
+    work.add_done_callback(partial(_hand_back, loop, answer))
+    try:
+        return await answer
+    except asyncio.CancelledError:
+        work.cancel()  # one not started yet never starts; one started runs to its end
+        raise
+
+
+def _hand_back(loop: asyncio.AbstractEventLoop, answer: asyncio.Future, work: Future) -> None:
+    """In the thread that ran `work` (or on the loop, if it was cancelled there)."""
+    try:
+        loop.call_soon_threadsafe(_settle, answer, work)
+    except RuntimeError:  # the loop is closed: nobody waits for the outcome
+        pass
+
+
+def _settle(answer: asyncio.Future, work: Future) -> None:
+    if answer.done():  # its caller was cancelled
+        return
+    if work.cancelled():
+        answer.cancel()
+    elif (error := work.exception()) is not None:
+        answer.set_exception(error)
+    else:
+        answer.set_result(work.result())
 
 
 async def _claim(claim_items, /, *, max_items: int = 1, **kwargs) -> list:

@@ -1,6 +1,7 @@
 """Where store calls run: a claim takes its first items on the event loop and the rest in the
 store's threads, and the caller sees one claim."""
 
+import asyncio
 import threading
 
 import pytest
@@ -80,3 +81,58 @@ async def test_a_claim_that_fails_at_once_raises(tmp_path):
 
     with pytest.raises(StorageUnavailable):
         await run(claim_items, config=QueueConfig(name=Q), max_items=20)
+
+
+# ---- calls in the store's threads ---------------------------------------------------------------
+
+
+async def test_a_call_in_the_store_threads_returns_its_value_or_raises_its_error():
+    def post_items(*, value):
+        if value is None:
+            raise StorageUnavailable("the disk is full")
+        return (value, threading.current_thread() is threading.main_thread())
+
+    assert await run(post_items, value=7) == (7, False)
+    with pytest.raises(StorageUnavailable, match="the disk is full"):
+        await run(post_items, value=None)
+
+
+async def test_a_started_call_runs_to_its_end_though_its_caller_is_cancelled():
+    started, go_on, ended = threading.Event(), threading.Event(), threading.Event()
+
+    def post_items():
+        started.set()
+        go_on.wait(10)
+        ended.set()
+
+    caller = asyncio.create_task(run(post_items))
+    await asyncio.to_thread(started.wait, 10)
+    caller.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await caller
+    go_on.set()
+    assert await asyncio.to_thread(ended.wait, 10)
+
+
+async def test_a_call_whose_caller_is_cancelled_before_it_starts_never_runs():
+    # as many blocking calls as there are store threads go first: the next call waits behind them
+    started, go_on = threading.Event(), threading.Event()
+    ran = []
+
+    def finish_items():
+        started.set()
+        go_on.wait(10)
+
+    def post_items():
+        ran.append(True)
+
+    holders = [asyncio.create_task(run(finish_items)) for _ in range(runtime.STORE_THREADS)]
+    await asyncio.to_thread(started.wait, 10)
+    waiting = asyncio.create_task(run(post_items))
+    await asyncio.sleep(0.05)  # it is in the store threads' queue now
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    go_on.set()
+    await asyncio.gather(*holders)
+    assert await run(post_items) is None and ran == [True]  # only this later call ran

@@ -18,7 +18,7 @@ import json
 import logging
 import threading
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from typing import Any
 
 from .. import ids
@@ -64,13 +64,13 @@ class Keys:
         self._locks: dict[str, QueueLocks] = {}
         self._setup_lock = threading.Lock()
 
-    @contextmanager
-    def hold(self, queue: str, keys: list[str]) -> Iterator[None]:
+    def hold(self, queue: str, keys: list[str]) -> AbstractContextManager[None]:
         """Hold the locks of these keys, taken in one order everywhere so two batches never wait
-        for each other."""
-        if not keys:
-            yield
-            return
+        for each other. Most posts have no key: they take nothing."""
+        return self._holding(queue, keys) if keys else nullcontext()
+
+    @contextmanager
+    def _holding(self, queue: str, keys: list[str]) -> Iterator[None]:
         locks = self._locks_of(queue)
         digests = sorted({digest(key) for key in keys}, key=locks.stripe_of)
         with ExitStack() as stack:

@@ -15,8 +15,7 @@ import logging
 import secrets
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -111,13 +110,13 @@ class Store:
             raise InvalidRequest(
                 "a queue name is 1 to 64 characters of a-z, 0-9, '_' and '-', starting with a letter or digit"
             )
-        with self._storage_errors():
+        with _storage_errors:
             self._items.ensure_queue(queue)
 
     def delete_queue(self, queue: str) -> None:
         """Delete the queue's directory and every item in it."""
         self._items.forget_queue(queue)
-        with self._storage_errors():
+        with _storage_errors:
             files.remove_tree(self._items.layout.queue_dir(queue))
 
     def check_health(self) -> Health:
@@ -166,7 +165,7 @@ class Store:
         now = self.clock()
         self._check_schedule(config, [new.run_at for new in items if new.run_at is not None], now)
         self.ensure_queue(queue)
-        with self._storage_errors(), self._items.keys.hold(queue, keys):
+        with _storage_errors, self._items.keys.hold(queue, keys):
             held = {new.key: item for new in items if new.key is not None and (item := self._posted_with_key(queue, new))}
             fresh = [new for new in items if new.key is None or new.key not in held]
             made: list[Item] = []
@@ -230,7 +229,7 @@ class Store:
         claimed: list[Item] = []
         listed_in_vain = False
         try:
-            with self._storage_errors():
+            with _storage_errors:
                 while len(claimed) < max_items:
                     item_id = index.pop()
                     if item_id is None:
@@ -300,7 +299,7 @@ class Store:
                 try:
                     self._check_item_id(config.name, item_id)
                     self._check_size(result, "result")
-                    with self._storage_errors(), self._items.lock(config.name, item_id):
+                    with _storage_errors, self._items.lock(config.name, item_id):
                         settling = self._settling(config, item_id, result)
                         if isinstance(settling, FinishOutcome):
                             outcomes[position] = settling
@@ -333,7 +332,7 @@ class Store:
 
     def _link_all(self, results: list[Result], prepared: list[tuple[int, _Settling, str]], outcomes: list) -> None:
         try:
-            with self._storage_errors():
+            with _storage_errors:
                 self._items.flush_files([tmp for _, _, tmp in prepared])
         except StorageUnavailable as error:
             for position, _, _ in prepared:
@@ -343,7 +342,7 @@ class Store:
         for position, settling, tmp in prepared:
             config, item_id, result = results[position]
             try:
-                with self._storage_errors(), self._items.lock(config.name, item_id):
+                with _storage_errors, self._items.lock(config.name, item_id):
                     outcomes[position] = self._link_one(config, settling, tmp, result)
             except TaskhosterError as error:
                 outcomes[position] = error
@@ -353,7 +352,7 @@ class Store:
         for queue, entries in linked.items():
             done = [settling.done for _, settling in entries]
             try:
-                with self._storage_errors():
+                with _storage_errors:
                     self._items.flush_states(queue, *done_directories(done))
             except StorageUnavailable as error:
                 for position, settling in entries:
@@ -403,7 +402,7 @@ class Store:
                 self._check_item_id(queue, release.item_id)
                 if release.error is not ABSENT:
                     self._check_size(release.error, "error")
-                with self._storage_errors(), self._items.lock(queue, release.item_id):
+                with _storage_errors, self._items.lock(queue, release.item_id):
                     item = self._held(queue, release.item_id, release.claim_token)
                     back = give_back(
                         self._items, release.config, item, now=self.clock(),
@@ -423,7 +422,7 @@ class Store:
         """Set a processing item's lease to expire `seconds` from now (NotHeld if it is not
         processing, or no longer held by `claim_token` when one is given)."""
         self._check_item_id(queue, item_id)
-        with self._storage_errors(), self._items.lock(queue, item_id):
+        with _storage_errors, self._items.lock(queue, item_id):
             item = self._held(queue, item_id, claim_token)
             item = replace(item, lease_expires_at=self.clock() + seconds)
             self._items.record_claim(queue, item)
@@ -441,7 +440,7 @@ class Store:
         it was made now. NotEnded for an item that has not ended."""
         queue = config.name
         self._check_item_id(queue, item_id)
-        with self._storage_errors(), self._items.lock(queue, item_id):
+        with _storage_errors, self._items.lock(queue, item_id):
             state, old = self._found(queue, item_id)
             if state != "done":
                 raise NotEnded(f"item {item_id} is {old.status}: only a finished or failed item can be retried")
@@ -464,7 +463,7 @@ class Store:
         whether it was canceled now (an item that had ended is left as it is)."""
         queue = config.name
         self._check_item_id(queue, item_id)
-        with self._storage_errors(), self._items.lock(queue, item_id):
+        with _storage_errors, self._items.lock(queue, item_id):
             state, item = self._found(queue, item_id)
             if state == "done":
                 return item, False
@@ -481,7 +480,7 @@ class Store:
         queue, now = config.name, self.clock()
         self.ensure_queue(queue)
         promoted: list[str] = []
-        with self._storage_errors():
+        with _storage_errors:
             due = self._items.schedule.due(queue, now)
             for start in range(0, len(due.marks), PROMOTE_CHUNK):
                 promoted += self._promote_marks(config, due.marks[start:start + PROMOTE_CHUNK], now)
@@ -542,7 +541,7 @@ class Store:
         (it takes an item's lock only when a move hid the item twice), so it may run on the
         event loop."""
         self._check_item_id(queue, item_id)
-        with self._storage_errors():
+        with _storage_errors:
             found = self._items.find(queue, item_id) or self._items.find(queue, item_id)
             # a move under way may have hidden it twice: look again under its lock, if any item of
             # the queue was ever locked (every move is made under the lock, which makes the file)
@@ -571,17 +570,17 @@ class Store:
     def sweep_queue(self, *, config: QueueConfig) -> SweepChanges:
         """One sweep pass over a queue (see `sweep`), scheduled items that came due promoted."""
         promoted = self.promote_due(config=config)
-        with self._storage_errors():
+        with _storage_errors:
             return replace(sweep.sweep_queue(self._items, config), promoted=promoted)
 
     def count_items(self, *, queue: str) -> Counts:
-        with self._storage_errors():
+        with _storage_errors:
             return stats.count_items(self._items.layout, queue)
 
     def list_items(self, *, queue: str, state: str, offset: int = 0, limit: int = 50,
                    status: str | None = None) -> tuple[int, list[Item]]:
         """One page of a state's items, newest first, and the state's total (done: of `status` only, if given)."""
-        with self._storage_errors():
+        with _storage_errors:
             return stats.list_items(self._items, queue, state, offset=offset, limit=limit, status=status)
 
     def throughput(self, *, queue: str, minutes: int = 15) -> list[tuple[float, int, int]]:
@@ -608,15 +607,6 @@ class Store:
         if not ids.is_valid_id(item_id):
             raise ItemNotFound("no item has this id")
 
-    @staticmethod
-    @contextmanager
-    def _storage_errors() -> Iterator[None]:
-        try:
-            yield
-        except OSError as exc:
-            if isinstance(exc, (FileNotFoundError, FileExistsError)):
-                raise
-            raise StorageUnavailable(f"the data directory cannot be written: {exc.strerror or exc}") from exc
 
 
 
@@ -633,3 +623,20 @@ def _move_back(source: str, target: str) -> None:
         files.move(source, target)
     except OSError:
         log.warning("could not move %s back to %s", source, target, exc_info=True)
+
+
+class _StorageErrors:
+    """`with _storage_errors:` makes a failed disk call StorageUnavailable, except a file found
+    missing or there already, which callers act on. A class, not a generator: every transition
+    enters it."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, exc, traceback) -> bool:
+        if isinstance(exc, OSError) and not isinstance(exc, (FileNotFoundError, FileExistsError)):
+            raise StorageUnavailable(f"the data directory cannot be written: {exc.strerror or exc}") from exc
+        return False
+
+
+_storage_errors = _StorageErrors()
