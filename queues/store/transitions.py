@@ -608,8 +608,6 @@ class Store:
             raise ItemNotFound("no item has this id")
 
 
-
-
 def _made(item_id: str, queue: str, new: NewItem, now: float) -> Item:
     """The item a post makes: scheduled if its run_at is still to come (a past one means now)."""
     if new.run_at is not None and new.run_at > now:
