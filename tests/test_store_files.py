@@ -381,3 +381,34 @@ def test_a_reader_that_read_a_file_taken_over_meanwhile_looks_again_before_quara
     monkeypatch.setattr(files, "read", read)
     assert store.read_item(queue=Q, item_id=item_id).payload == {"n": 1}
     assert len(reads) == 2 and files_in(store, "quarantine") == []
+
+
+def test_threads_retiring_and_writing_at_once_never_share_a_file(tmp_path):
+    """Each thread ends its own items (retiring their files) and writes new ones in one tmp/:
+    every new file is its own inode holding exactly its bytes, whichever spare it took over."""
+    (tmp_path / "tmp").mkdir()
+    written: dict[str, bytes] = {}
+    errors = []
+
+    def work(thread: int):
+        try:
+            for n in range(200):
+                old = _old_file(tmp_path / f"processing{thread}", f"o{thread}-{n}.json", b"o" * (n % 50 + 1))
+                files.retire(old, str(tmp_path / "tmp" / f"o{thread}-{n}.x.spare"))
+                name = str(tmp_path / "tmp" / f"n{thread}-{n}.x.json")
+                data = f"thread {thread} file {n}".encode() * (n % 3 + 1)
+                files.write_new(name, data)
+                written[name] = data
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+
+    assert errors == [] and len(written) == 800
+    assert {name: open(name, "rb").read() for name in written} == written
+    assert len({os.stat(name).st_ino for name in written}) == 800
+    assert all(os.listxattr(name) == [] for name in written)
