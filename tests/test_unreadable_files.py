@@ -4,6 +4,7 @@ unreadable wherever it is read: quarantined, answered as no item, left out of li
 a 500 or a closed socket."""
 
 import json
+import os
 
 import pytest
 from channels.testing import WebsocketCommunicator
@@ -12,6 +13,7 @@ from django.test import Client
 from api_support import api, bearer, queues, tokens  # noqa: F401  (fixtures)
 from queues import ids
 from queues.runtime import get_registry, get_store
+from queues.store.items import CLAIM_XATTR
 from store_support import files_in
 from taskhoster_site.asgi import application
 
@@ -97,3 +99,16 @@ def test_the_dashboard_and_the_admin_show_the_queue_without_it(bad_file, django_
         assert response.status_code in (200, 404), (path, response.status_code)
     page = client.get(f"/queues/jobs/?state={listing}")
     assert BAD_ID not in page.content.decode()
+
+
+@pytest.mark.parametrize("record", [b"garbage", b"1 2 3", b"x 1.0 2.0 token", b"1 1.0 later token"])
+async def test_a_processing_file_with_a_bad_claim_record_is_quarantined(api, tokens, queues, record):
+    """The claim record (an xattr beside the file) overrides what the file says: one that is not
+    `attempts claimedAt leaseExpiresAt token` makes the file unreadable, as bad bytes would."""
+    headers = bearer(tokens["all"])
+    posted = (await api.post("/api/queues/jobs/items", json={"payload": 1}, headers=headers)).json()
+    assert [item["id"] for item in (await api.post("/api/queues/jobs/claim", json={}, headers=headers)).json()["items"]] == [posted["id"]]
+    os.setxattr(get_store().data_dir / "jobs" / "processing" / f"{posted['id']}.json", CLAIM_XATTR, record)
+    answer = await api.get(f"/api/queues/jobs/items/{posted['id']}", headers=headers)
+    assert (answer.status_code, answer.json()["error"]) == (404, "not_found")
+    assert files_in(get_store(), "quarantine") == [f"processing-{posted['id']}.json"]

@@ -21,7 +21,7 @@ from .layout import DIRECTORIES, Layout
 from .keys import Keys
 from .locks import QueueLocks
 from .pending import PendingIndex
-from .records import Item, Unreadable, decode, encode, encode_claim, is_error_result, with_claim
+from .records import Item, Unreadable, decode, encode, encode_claim, is_error_result
 from .schedule import Schedule
 from .tallies import Tallies
 
@@ -176,8 +176,7 @@ class ItemFiles:
             except FileNotFoundError:
                 return None
             try:
-                item = decode(raw, state=state, queue=queue, item_id=item_id)
-                return with_claim(item, claim) if claim else item
+                return decode(raw, state=state, queue=queue, item_id=item_id, claim=claim)
             except Unreadable as exc:
                 error = exc
         log.warning("quarantining %s: %s", path, error)

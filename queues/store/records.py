@@ -209,8 +209,9 @@ def encode(item: Item) -> bytes:
     return _to_json(record).encode()
 
 
-def decode(raw: bytes, *, state: str, queue: str, item_id: str) -> Item:
-    """The item in a file of `state`/ named for `item_id`; Unreadable unless it is one of ours."""
+def decode(raw: bytes, *, state: str, queue: str, item_id: str, claim: bytes | None = None) -> Item:
+    """The item in a file of `state`/ named for `item_id`, as its claim record says if it has one
+    (`claim`, see `encode_claim`); Unreadable unless it is one of ours."""
     try:
         record = json.loads(raw)
     except (ValueError, RecursionError) as exc:
@@ -223,19 +224,25 @@ def decode(raw: bytes, *, state: str, queue: str, item_id: str) -> Item:
     if status not in STATUSES:
         raise Unreadable(f"bad status {status!r}")
     processing = state == "processing"
+    if claim:
+        attempts, claimed_at, lease_expires_at, claim_token = _claim_record(claim)
+    else:
+        attempts, claimed_at = _count(record.get("attempts", 0)), _moment(record.get("claimedAt"))
+        # a file moved but not yet rewritten (a crash mid-transition) shows its directory's truth
+        lease_expires_at = _moment(record.get("leaseExpiresAt")) if processing else None
+        claim_token = _text(record.get("claimToken")) if processing else None
     return Item(
         id=item_id,
         queue=queue,
         status=status,
-        attempts=_count(record.get("attempts", 0)),
-        claimed_at=_moment(record.get("claimedAt")),
-        # a file moved but not yet rewritten (a crash mid-transition) shows its directory's truth
-        lease_expires_at=_moment(record.get("leaseExpiresAt")) if processing else None,
+        attempts=attempts,
+        claimed_at=claimed_at,
+        lease_expires_at=lease_expires_at if processing else None,
         finished_at=_moment(record.get("finishedAt")) if state == "done" else None,
         payload=record.get("payload"),
         result=record.get("result"),
         error=_text(record.get("error")) if status == "failed" else None,
-        claim_token=_text(record.get("claimToken")) if processing else None,
+        claim_token=claim_token if processing else None,
         run_at=_moment(record.get("runAt")),
         last_error=record.get("lastError", ABSENT),
         retry_of=_id(record.get("retryOf")),
@@ -249,22 +256,14 @@ def encode_claim(item: Item) -> bytes:
     return f"{item.attempts} {item.claimed_at:.6f} {item.lease_expires_at:.6f} {item.claim_token}".encode()
 
 
-def with_claim(item: Item, raw: bytes) -> Item:
-    """`item` as its claim record says: attempts and claim time always (they outlive a re-queue),
-    lease and claim token while it is processing."""
+def _claim_record(raw: bytes) -> tuple[int, float, float, str]:
+    """attempts, claim time, lease and claim token from a claim record: attempts and claim time
+    hold always (they outlive a re-queue), lease and claim token while the item is processing."""
     try:
         attempts, claimed_at, lease_expires_at, claim_token = raw.decode("ascii").split(" ")
-        attempts, claimed_at, lease_expires_at = int(attempts), float(claimed_at), float(lease_expires_at)
+        return int(attempts), float(claimed_at), float(lease_expires_at), claim_token
     except ValueError:
         raise Unreadable("bad claim record") from None
-    processing = item.status == "processing"
-    return replace(
-        item,
-        attempts=attempts,
-        claimed_at=claimed_at,
-        lease_expires_at=lease_expires_at if processing else None,
-        claim_token=claim_token if processing else None,
-    )
 
 
 def ended(item: Item, *, status: str, at: float, result: Any = None, error: str | None = None) -> Item:
