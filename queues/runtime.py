@@ -78,16 +78,21 @@ async def run(call, /, **kwargs):
     if name == "claim_items":
         return await _claim(call, **kwargs)
     if name in SCANS:
-        return await asyncio.get_running_loop().run_in_executor(_scan_threads(), partial(call, **kwargs))
+        return await _in_thread(_scan_threads(), call, **kwargs)
     return await _in_store_thread(call, **kwargs)
 
 
 async def _in_store_thread(call, /, **kwargs):
-    """`call` in the store's threads, taking turns; its outcome handed straight back to the loop
+    """`call` in the store's threads, taking turns."""
+    return await _in_thread(_store_threads(), turn.taking, call, **kwargs)
+
+
+async def _in_thread(pool: ThreadPoolExecutor, call, /, *args, **kwargs):
+    """`call` in one of `pool`'s threads; its outcome handed straight back to the loop
     (run_in_executor would chain two futures and check the call is no coroutine, every post)."""
     loop = asyncio.get_running_loop()
     answer = loop.create_future()
-    work = _store_threads().submit(turn.taking, call, **kwargs)
+    work = pool.submit(call, *args, **kwargs)
     work.add_done_callback(partial(_hand_back, loop, answer))
     try:
         return await answer
@@ -109,7 +114,10 @@ def _settle(answer: asyncio.Future, work: Future) -> None:
         return
     if work.cancelled():
         answer.cancel()
-    elif (error := work.exception()) is not None:
+    elif isinstance(error := work.exception(), StopIteration):
+        # a future refuses StopIteration (it would end the awaiting coroutine as if it returned)
+        answer.set_exception(RuntimeError(f"a call in a thread raised {error!r}"))
+    elif error is not None:
         answer.set_exception(error)
     else:
         answer.set_result(work.result())

@@ -97,6 +97,16 @@ async def test_a_call_in_the_store_threads_returns_its_value_or_raises_its_error
         await run(post_items, value=None)
 
 
+@pytest.mark.parametrize("name", ["post_items", "count_items"])  # the store's threads, a scan's
+async def test_a_call_that_raises_stopiteration_fails_its_caller_rather_than_leave_it_waiting(name):
+    def call():
+        return next(iter(()))
+
+    call.__name__ = name
+    with pytest.raises(RuntimeError, match="StopIteration"):
+        await asyncio.wait_for(run(call), 10)
+
+
 async def test_a_started_call_runs_to_its_end_though_its_caller_is_cancelled():
     started, go_on, ended = threading.Event(), threading.Event(), threading.Event()
 
