@@ -9,7 +9,7 @@ import pytest
 from queues import runtime
 from queues.exceptions import StorageUnavailable
 from queues.runtime import run
-from queues.store import QueueConfig, Store
+from queues.store import QueueConfig, Store, turn
 from storekit import post_batch
 
 Q = "jobs"
@@ -155,4 +155,12 @@ async def test_a_call_whose_caller_is_cancelled_before_it_starts_never_runs():
         await waiting
     go_on.set()
     await asyncio.gather(*holders)
-    assert await run(post_items) is None and ran == [True]  # only this later call ran
+    assert await run(post_items) is None
+    # every store thread waiting at once on a barrier: a call that had started would have ended
+    barrier = threading.Barrier(runtime.STORE_THREADS, timeout=10)
+
+    def save_items():
+        turn.outside(barrier.wait)  # out of the turn, which the other threads must take to get here
+
+    await asyncio.gather(*(run(save_items) for _ in range(runtime.STORE_THREADS)))
+    assert ran == [True]  # only the later call ran
