@@ -112,3 +112,18 @@ async def test_a_processing_file_with_a_bad_claim_record_is_quarantined(api, tok
     answer = await api.get(f"/api/queues/jobs/items/{posted['id']}", headers=headers)
     assert (answer.status_code, answer.json()["error"]) == (404, "not_found")
     assert files_in(get_store(), "quarantine") == [f"processing-{posted['id']}.json"]
+
+
+async def test_a_processing_file_with_a_bad_field_is_quarantined_though_its_claim_record_is_good(api, tokens, queues):
+    headers = bearer(tokens["all"])
+    posted = (await api.post("/api/queues/jobs/items", json={"payload": 1}, headers=headers)).json()
+    assert [item["id"] for item in (await api.post("/api/queues/jobs/claim", json={}, headers=headers)).json()["items"]] == [posted["id"]]
+    path = get_store().data_dir / "jobs" / "processing" / f"{posted['id']}.json"
+    record = json.loads(path.read_bytes())
+    with open(path, "r+b") as file:  # the same file, so its claim record stays beside it
+        file.write(json.dumps({**record, "claimedAt": 5}).encode())
+        file.truncate()
+    assert os.getxattr(path, CLAIM_XATTR)
+    answer = await api.get(f"/api/queues/jobs/items/{posted['id']}", headers=headers)
+    assert (answer.status_code, answer.json()["error"]) == (404, "not_found")
+    assert files_in(get_store(), "quarantine") == [f"processing-{posted['id']}.json"]

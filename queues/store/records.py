@@ -224,13 +224,12 @@ def decode(raw: bytes, *, state: str, queue: str, item_id: str, claim: bytes | N
     if status not in STATUSES:
         raise Unreadable(f"bad status {status!r}")
     processing = state == "processing"
-    if claim:
+    attempts, claimed_at = _count(record.get("attempts", 0)), _moment(record.get("claimedAt"))
+    # a file moved but not yet rewritten (a crash mid-transition) shows its directory's truth
+    lease_expires_at = _moment(record.get("leaseExpiresAt")) if processing else None
+    claim_token = _text(record.get("claimToken")) if processing else None
+    if claim:  # the claim record overrides what the file says
         attempts, claimed_at, lease_expires_at, claim_token = _claim_record(claim)
-    else:
-        attempts, claimed_at = _count(record.get("attempts", 0)), _moment(record.get("claimedAt"))
-        # a file moved but not yet rewritten (a crash mid-transition) shows its directory's truth
-        lease_expires_at = _moment(record.get("leaseExpiresAt")) if processing else None
-        claim_token = _text(record.get("claimToken")) if processing else None
     return Item(
         id=item_id,
         queue=queue,
