@@ -14,6 +14,7 @@ Async code calls the store through `run`, and only here is it decided where each
 
 import asyncio
 import logging
+from collections.abc import Awaitable
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import lru_cache, partial
 
@@ -82,9 +83,9 @@ async def run(call, /, **kwargs):
     return await _in_store_thread(call, **kwargs)
 
 
-async def _in_store_thread(call, /, **kwargs):
+def _in_store_thread(call, /, **kwargs) -> Awaitable:
     """`call` in the store's threads, taking turns."""
-    return await _in_thread(_store_threads(), turn.taking, call, **kwargs)
+    return _in_thread(_store_threads(), turn.taking, call, **kwargs)
 
 
 async def _in_thread(pool: ThreadPoolExecutor, call, /, *args, **kwargs):
@@ -116,7 +117,9 @@ def _settle(answer: asyncio.Future, work: Future) -> None:
         answer.cancel()
     elif isinstance(error := work.exception(), StopIteration):
         # a future refuses StopIteration (it would end the awaiting coroutine as if it returned)
-        answer.set_exception(RuntimeError(f"a call in a thread raised {error!r}"))
+        failure = RuntimeError(f"a call in a thread raised {error!r}")
+        failure.__cause__ = error
+        answer.set_exception(failure)
     elif error is not None:
         answer.set_exception(error)
     else:

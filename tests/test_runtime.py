@@ -103,8 +103,9 @@ async def test_a_call_that_raises_stopiteration_fails_its_caller_rather_than_lea
         return next(iter(()))
 
     call.__name__ = name
-    with pytest.raises(RuntimeError, match="StopIteration"):
+    with pytest.raises(RuntimeError, match="StopIteration") as raised:
         await asyncio.wait_for(run(call), 10)
+    assert isinstance(raised.value.__cause__, StopIteration)  # its traceback kept
 
 
 async def test_a_started_call_runs_to_its_end_though_its_caller_is_cancelled():
@@ -147,13 +148,15 @@ async def test_a_call_whose_caller_is_cancelled_before_it_starts_never_runs():
         ran.append(True)
 
     holders = [asyncio.create_task(run(finish_items)) for _ in range(runtime.STORE_THREADS)]
-    await asyncio.to_thread(started.wait, 10)
-    waiting = asyncio.create_task(run(post_items))
-    await asyncio.sleep(0.05)  # it is in the store threads' queue now
-    waiting.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await waiting
-    go_on.set()
+    try:
+        await asyncio.to_thread(started.wait, 10)
+        waiting = asyncio.create_task(run(post_items))
+        await asyncio.sleep(0.05)  # it is in the store threads' queue now
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+    finally:
+        go_on.set()  # even if the test fails: the store threads are the next test's too
     await asyncio.gather(*holders)
     assert await run(post_items) is None
     # every store thread waiting at once on a barrier: a call that had started would have ended
