@@ -14,6 +14,7 @@ from django.utils import timezone
 
 from .models import ApiToken, Queue, hash_token
 from .store import QueueConfig
+from .threads import in_thread
 
 MAX_AGE_SECONDS = 1.0
 MISS_RELOAD_SECONDS = 0.1
@@ -102,8 +103,7 @@ class Registry:
         if not self.stale:
             return
         if self._refreshing is None or self._refreshing.done():
-            loop = asyncio.get_running_loop()
-            self._refreshing = loop.run_in_executor(self._db_thread, self._load_or_keep)
+            self._refreshing = asyncio.ensure_future(in_thread(self._db_thread, self._load_or_keep))
         await asyncio.shield(self._refreshing)
 
     def ping_database(self) -> bool:
@@ -120,8 +120,7 @@ class Registry:
 
     async def aping_database(self) -> bool:
         """`ping_database` on the registry's own database thread."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._db_thread, self.ping_database)
+        return await in_thread(self._db_thread, self.ping_database)
 
     def queue(self, name: str) -> QueueConfig | None:
         return self._queues.get(name)

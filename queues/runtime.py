@@ -12,11 +12,10 @@ Async code calls the store through `run`, and only here is it decided where each
   own, so a big queue's count never holds up a post.
 """
 
-import asyncio
 import logging
 from collections.abc import Awaitable
-from concurrent.futures import Future, ThreadPoolExecutor
-from functools import lru_cache, partial
+from concurrent.futures import ThreadPoolExecutor
+from functools import lru_cache
 
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
@@ -26,6 +25,7 @@ from .exceptions import StorageUnavailable
 from .metrics.transitions import transition_counter
 from .registry import Registry
 from .store import Store, turn
+from .threads import in_thread
 
 log = logging.getLogger(__name__)
 
@@ -79,51 +79,13 @@ async def run(call, /, **kwargs):
     if name == "claim_items":
         return await _claim(call, **kwargs)
     if name in SCANS:
-        return await _in_thread(_scan_threads(), call, **kwargs)
+        return await in_thread(_scan_threads(), call, **kwargs)
     return await _in_store_thread(call, **kwargs)
 
 
 def _in_store_thread(call, /, **kwargs) -> Awaitable:
     """`call` in the store's threads, taking turns."""
-    return _in_thread(_store_threads(), turn.taking, call, **kwargs)
-
-
-async def _in_thread(pool: ThreadPoolExecutor, call, /, *args, **kwargs):
-    """`call` in one of `pool`'s threads; its outcome handed straight back to the loop
-    (run_in_executor would chain two futures and check the call is no coroutine, every post)."""
-    loop = asyncio.get_running_loop()
-    answer = loop.create_future()
-    work = pool.submit(call, *args, **kwargs)
-    work.add_done_callback(partial(_hand_back, loop, answer))
-    try:
-        return await answer
-    except asyncio.CancelledError:
-        work.cancel()  # one not started yet never starts; one started runs to its end
-        raise
-
-
-def _hand_back(loop: asyncio.AbstractEventLoop, answer: asyncio.Future, work: Future) -> None:
-    """In the thread that ran `work` (or on the loop, if it was cancelled there)."""
-    try:
-        loop.call_soon_threadsafe(_settle, answer, work)
-    except RuntimeError:  # the loop is closed: nobody waits for the outcome
-        pass
-
-
-def _settle(answer: asyncio.Future, work: Future) -> None:
-    if answer.done():  # its caller was cancelled
-        return
-    if work.cancelled():
-        answer.cancel()
-    elif isinstance(error := work.exception(), StopIteration):
-        # a future refuses StopIteration (it would end the awaiting coroutine as if it returned)
-        failure = RuntimeError(f"a call in a thread raised {error!r}")
-        failure.__cause__ = error
-        answer.set_exception(failure)
-    elif error is not None:
-        answer.set_exception(error)
-    else:
-        answer.set_result(work.result())
+    return in_thread(_store_threads(), turn.taking, call, **kwargs)
 
 
 async def _claim(claim_items, /, *, max_items: int = 1, **kwargs) -> list:

@@ -1,5 +1,6 @@
 """The registry: cached queues and tokens that still see a brand-new one at once."""
 
+import asyncio
 from concurrent.futures import ThreadPoolExecutor
 import time
 
@@ -44,3 +45,15 @@ async def test_unknown_names_reload_at_most_once_per_interval(monkeypatch):
         assert await registry.afind_token("th_unknown") is None
         assert await registry.afind_queue("nope") is None
     assert len(loads) == 1
+
+
+@pytest.mark.parametrize("method", ["load", "ping_database"])
+async def test_a_database_call_that_raises_stopiteration_fails_its_caller_rather_than_leave_it_waiting(
+    monkeypatch, method
+):
+    registry = Registry(ThreadPoolExecutor(max_workers=1))
+    monkeypatch.setattr(registry, method, lambda: next(iter(())))
+    call = registry.arefresh() if method == "load" else registry.aping_database()
+    with pytest.raises(RuntimeError, match="StopIteration") as raised:
+        await asyncio.wait_for(call, 10)
+    assert isinstance(raised.value.__cause__, StopIteration)

@@ -1,0 +1,46 @@
+"""A blocking call run in a thread pool and awaited on the event loop. Its outcome is handed
+straight back to the loop: run_in_executor chains two futures, checks every call is no
+coroutine, and leaves its caller waiting forever if the call raises StopIteration (an asyncio
+future refuses that exception)."""
+
+import asyncio
+from concurrent.futures import Executor, Future
+from functools import partial
+
+
+async def in_thread(pool: Executor, call, /, *args, **kwargs):
+    """`call(*args, **kwargs)` in one of `pool`'s threads; what it returns, or its error. Once
+    started it runs to its end even if the caller is cancelled meanwhile; one not started yet
+    never starts."""
+    loop = asyncio.get_running_loop()
+    answer = loop.create_future()
+    work = pool.submit(call, *args, **kwargs)
+    work.add_done_callback(partial(_hand_back, loop, answer))
+    try:
+        return await answer
+    except asyncio.CancelledError:
+        work.cancel()
+        raise
+
+
+def _hand_back(loop: asyncio.AbstractEventLoop, answer: asyncio.Future, work: Future) -> None:
+    """In the thread that ran `work` (or on the loop, if it was cancelled there)."""
+    try:
+        loop.call_soon_threadsafe(_settle, answer, work)
+    except RuntimeError:  # the loop is closed: nobody waits for the outcome
+        pass
+
+
+def _settle(answer: asyncio.Future, work: Future) -> None:
+    if answer.done():  # its caller was cancelled
+        return
+    if work.cancelled():
+        answer.cancel()
+    elif isinstance(error := work.exception(), StopIteration):
+        failure = RuntimeError(f"a call in a thread raised {error!r}")
+        failure.__cause__ = error
+        answer.set_exception(failure)
+    elif error is not None:
+        answer.set_exception(error)
+    else:
+        answer.set_result(work.result())
