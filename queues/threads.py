@@ -1,7 +1,7 @@
 """A blocking call run in a thread pool and awaited on the event loop. Its outcome is handed
-straight back to the loop: run_in_executor chains two futures, checks every call is no
-coroutine, and leaves its caller waiting forever if the call raises StopIteration (an asyncio
-future refuses that exception)."""
+straight back to the loop: run_in_executor chains two futures (and, under uvloop or in debug
+mode, checks every call is no coroutine), and leaves its caller waiting forever if the call
+raises StopIteration (an asyncio future refuses that exception)."""
 
 import asyncio
 from concurrent.futures import Executor, Future
@@ -24,7 +24,7 @@ async def in_thread(pool: Executor, call, /, *args, **kwargs):
 
 
 def _hand_back(loop: asyncio.AbstractEventLoop, answer: asyncio.Future, work: Future) -> None:
-    """In the thread that ran `work` (or on the loop, if it was cancelled there)."""
+    """In the thread that ran `work` (or on the loop, if it had ended or was cancelled there)."""
     try:
         loop.call_soon_threadsafe(_settle, answer, work)
     except RuntimeError:  # the loop is closed: nobody waits for the outcome

@@ -53,7 +53,11 @@ async def test_a_database_call_that_raises_stopiteration_fails_its_caller_rather
 ):
     registry = Registry(ThreadPoolExecutor(max_workers=1))
     monkeypatch.setattr(registry, method, lambda: next(iter(())))
-    call = registry.arefresh() if method == "load" else registry.aping_database()
+    call = registry.arefresh if method == "load" else registry.aping_database
     with pytest.raises(RuntimeError, match="StopIteration") as raised:
-        await asyncio.wait_for(call, 10)
+        await asyncio.wait_for(call(), 10)
     assert isinstance(raised.value.__cause__, StopIteration)
+    monkeypatch.undo()  # the database thread is still there for the next call
+    await asyncio.wait_for(registry.arefresh(), 10)
+    assert not registry.stale
+    assert await asyncio.wait_for(registry.aping_database(), 10) is True
