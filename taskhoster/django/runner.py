@@ -9,6 +9,7 @@ raises is retried while the backend's max_attempts allows, and else is the item'
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from inspect import iscoroutinefunction
@@ -54,23 +55,28 @@ class TaskRunner:
         self._max_attempts = backend.settings.max_attempts
 
     async def __call__(self, payload: Any, job: Job) -> Any:
-        loop = asyncio.get_running_loop()
         runs = runs_of(job, self._worker_id)
         try:
-            started = await loop.run_in_executor(self._threads, self._start, payload, job, runs)
+            started = await self._in_thread(self._start, payload, job, runs)
         except Exception as exc:  # no such task, or not a task's payload: no signals to send
             return self._give_up_or_retry(job, raised(exc, runs), exc, final=self._is_final(job))
         if not iscoroutinefunction(started.result.task.func):
-            return await loop.run_in_executor(self._threads, self._call_plain, started)
+            return await self._in_thread(self._call_plain, started)
         await sync_to_async(close_old_connections)()  # where the task's own ORM calls go
         try:
             args, kwargs = started.arguments
             value = await started.result.task.func(*args, **kwargs)
         except Exception as exc:
-            return await loop.run_in_executor(self._threads, self._failed, started, exc)
+            return await self._in_thread(self._failed, started, exc)
         finally:
             await sync_to_async(close_old_connections)()
-        return await loop.run_in_executor(self._threads, self._returned, started, value)
+        return await self._in_thread(self._returned, started, value)
+
+    def _in_thread(self, call: Callable[..., Any], *args: Any) -> Awaitable[Any]:
+        """`call(*args)` in one of the task threads. A StopIteration from it (a task module's
+        import, a signal's receiver) comes back as a RuntimeError: run_in_executor would never
+        hand it back (an asyncio future refuses it), and the item would wait forever."""
+        return asyncio.get_running_loop().run_in_executor(self._threads, _stop_iteration_as_error, call, *args)
 
     # -- in a thread ---------------------------------------------------------------------------
 
@@ -139,3 +145,10 @@ class TaskRunner:
     def _set(result: TaskResult, **changes: Any) -> None:
         for name, value in changes.items():  # TaskResult is frozen: its own backends change it so too
             object.__setattr__(result, name, value)
+
+
+def _stop_iteration_as_error(call: Callable[..., Any], *args: Any) -> Any:
+    try:
+        return call(*args)
+    except StopIteration as exc:
+        raise RuntimeError(f"{call.__qualname__} raised {exc!r}") from exc
