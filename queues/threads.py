@@ -1,7 +1,7 @@
 """A blocking call run in a thread pool and awaited on the event loop. Its outcome is handed
 straight back to the loop: run_in_executor chains two futures (and, under uvloop or in debug
-mode, checks every call is no coroutine), and leaves its caller waiting forever if the call
-raises StopIteration (an asyncio future refuses that exception)."""
+mode, checks every call is no coroutine), and before Python 3.13 leaves its caller waiting
+forever if the call raises StopIteration (an asyncio future refused that exception)."""
 
 import asyncio
 from concurrent.futures import Executor, Future

@@ -1,16 +1,23 @@
-"""The task runner's calls in its threads: whatever a task's import raises comes back to the worker
-as the try's error, StopIteration too (which run_in_executor alone would never hand back)."""
+"""The task runner's calls in its threads: a StopIteration raised there (which run_in_executor
+alone would never hand back) comes back to the worker as a RuntimeError caused by it."""
 
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import pytest
+from django_tasks import task  # the test extra installs it
 
+from taskhoster.django.framework import task_finished
 from taskhoster.django.runner import TaskRunner
 from taskhoster.jobs import HandlerFailed, Job
 
 MAX_ATTEMPTS = 2
+
+
+@task
+def answer():
+    return 42
 
 
 def job(attempts: int) -> Job:
@@ -50,3 +57,16 @@ async def test_an_earlier_try_whose_task_import_raises_stopiteration_is_given_ba
         await asyncio.wait_for(runner(payload_of_a_module_that_stops, job(attempts=1)), 10)
     assert failed.value.details["type"] == "RuntimeError"
     assert "an iterator ran dry at import" in failed.value.details["traceback"]
+
+
+async def test_a_task_finished_receiver_that_raises_stopiteration_fails_the_handler_rather_than_hang(runner):
+    def receiver(**kwargs):
+        raise StopIteration("a receiver's iterator ran dry")
+
+    task_finished.connect(receiver)
+    try:
+        with pytest.raises(RuntimeError, match="StopIteration") as raised:
+            await asyncio.wait_for(runner({"task": answer.module_path, "args": [], "kwargs": {}}, job(attempts=1)), 10)
+    finally:
+        task_finished.disconnect(receiver)
+    assert isinstance(raised.value.__cause__, StopIteration)
