@@ -1,5 +1,6 @@
 """The task runner's calls in its threads: a StopIteration raised there (which run_in_executor
-alone would never hand back) comes back to the worker as a RuntimeError caused by it."""
+alone would never hand back) comes back to the worker as a RuntimeError caused by it; and a
+task_finished receiver that raises, which is logged and leaves the run's outcome as it was."""
 
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
@@ -18,6 +19,11 @@ MAX_ATTEMPTS = 2
 @task
 def answer():
     return 42
+
+
+@task
+def fails():
+    raise KeyError("the task's own error")
 
 
 def job(attempts: int) -> Job:
@@ -59,14 +65,41 @@ async def test_an_earlier_try_whose_task_import_raises_stopiteration_is_given_ba
     assert "an iterator ran dry at import" in failed.value.details["traceback"]
 
 
-async def test_a_task_finished_receiver_that_raises_stopiteration_fails_the_handler_rather_than_hang(runner):
+@pytest.fixture(params=[ValueError, StopIteration])
+def raising_receiver(request):
     def receiver(**kwargs):
-        raise StopIteration("a receiver's iterator ran dry")
+        raise request.param("a receiver broke")
 
     task_finished.connect(receiver)
-    try:
-        with pytest.raises(RuntimeError, match="StopIteration") as raised:
-            await asyncio.wait_for(runner({"task": answer.module_path, "args": [], "kwargs": {}}, job(attempts=1)), 10)
-    finally:
-        task_finished.disconnect(receiver)
-    assert isinstance(raised.value.__cause__, StopIteration)
+    yield request.param
+    task_finished.disconnect(receiver)
+
+
+def payload(of_task) -> dict:
+    return {"task": of_task.module_path, "args": [], "kwargs": {}}
+
+
+async def test_a_task_finished_receiver_that_raises_leaves_the_returned_value_as_the_result(
+    runner, raising_receiver, caplog
+):
+    # an earlier try: had the receiver's error failed the handler, the Worker would run it again
+    result = await asyncio.wait_for(runner(payload(answer), job(attempts=1)), 10)
+    assert result["returnValue"] == 42 and result["workerIds"] == ["here"]
+    logged = [record for record in caplog.records if record.name == "django.dispatch"]
+    assert [type(record.exc_info[1]) for record in logged] == [raising_receiver]
+
+
+async def test_a_task_finished_receiver_that_raises_leaves_a_failed_run_to_be_retried_with_its_own_error(
+    runner, raising_receiver
+):
+    with pytest.raises(HandlerFailed) as failed:
+        await asyncio.wait_for(runner(payload(fails), job(attempts=1)), 10)
+    assert failed.value.details["type"] == "KeyError"
+    assert "the task's own error" in failed.value.details["message"]
+
+
+async def test_a_task_finished_receiver_that_raises_leaves_a_last_failed_run_failed_with_its_own_error(
+    runner, raising_receiver
+):
+    result = await asyncio.wait_for(runner(payload(fails), job(attempts=MAX_ATTEMPTS)), 10)
+    assert result["error"]["type"] == "KeyError"

@@ -5,6 +5,7 @@ on the event loop, with a TaskContext first if it takes one), fires the framewor
 and task_finished signals, and closes the database connections that have grown old around each
 task, as Django does around each request. What the task returns is the item's result; what it
 raises is retried while the backend's max_attempts allows, and else is the item's result too.
+A task_finished receiver that raises is logged and changes neither: the run is over by then.
 """
 
 import asyncio
@@ -109,7 +110,7 @@ class TaskRunner:
             return self._failed(started, exc, final=True)
         self._set(started.result, status=TaskResultStatus.SUCCESSFUL, finished_at=timezone.now(),
                   _return_value=value)
-        task_finished.send(type(self._backend), task_result=started.result)
+        _tell_finished(self._backend, started.result)
         close_old_connections()
         return returned(value, started.runs)
 
@@ -125,7 +126,7 @@ class TaskRunner:
             self._set(started.result, status=TaskResultStatus.FAILED, finished_at=timezone.now())
         else:  # as get_result shows it until the next try
             self._set(started.result, status=TaskResultStatus.READY)
-        task_finished.send(type(self._backend), task_result=started.result)
+        _tell_finished(self._backend, started.result)
         close_old_connections()
         return self._give_up_or_retry(started.job, error, exc, final=final)
 
@@ -146,6 +147,12 @@ class TaskRunner:
     def _set(result: TaskResult, **changes: Any) -> None:
         for name, value in changes.items():  # TaskResult is frozen: its own backends change it so too
             object.__setattr__(result, name, value)
+
+
+def _tell_finished(backend, result: TaskResult) -> None:
+    """Send task_finished, robustly: a receiver that raises (Django logs it) must not turn a run
+    that is over into a handler failure, which the Worker would answer by running the task again."""
+    task_finished.send_robust(type(backend), task_result=result)
 
 
 def _stop_iteration_as_error(call: Callable[..., Any], *args: Any) -> Any:
