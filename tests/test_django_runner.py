@@ -1,6 +1,7 @@
-"""The task runner's calls in its threads: a StopIteration raised there (which run_in_executor
-alone would never hand back) comes back to the worker as a RuntimeError caused by it; and a
-task_finished receiver that raises, which is logged and leaves the run's outcome as it was."""
+"""The task runner: a StopIteration raised in its threads (which run_in_executor alone would
+never hand back) comes back to the worker as a RuntimeError caused by it; a task_finished
+receiver that raises is logged and leaves the run's outcome as it was; a task_started receiver
+that raises fails the try before the task runs."""
 
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
@@ -9,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 from django_tasks import task  # the test extra installs it
 
-from taskhoster.django.framework import task_finished
+from taskhoster.django.framework import task_finished, task_started
 from taskhoster.django.runner import TaskRunner
 from taskhoster.jobs import HandlerFailed, Job
 
@@ -103,3 +104,25 @@ async def test_a_task_finished_receiver_that_raises_leaves_a_last_failed_run_fai
 ):
     result = await asyncio.wait_for(runner(payload(fails), job(attempts=MAX_ATTEMPTS)), 10)
     assert result["error"]["type"] == "KeyError"
+
+
+@pytest.fixture
+def failing_start():
+    def receiver(**kwargs):
+        raise ValueError("a task_started receiver broke")
+
+    task_started.connect(receiver)
+    yield
+    task_started.disconnect(receiver)
+
+
+async def test_a_task_started_receiver_that_raises_fails_an_earlier_try_to_be_retried(runner, failing_start):
+    with pytest.raises(HandlerFailed) as failed:
+        await asyncio.wait_for(runner(payload(answer), job(attempts=1)), 10)
+    assert failed.value.details["type"] == "ValueError"
+    assert "a task_started receiver broke" in failed.value.details["message"]
+
+
+async def test_a_task_started_receiver_that_raises_fails_a_last_try_for_good(runner, failing_start):
+    result = await asyncio.wait_for(runner(payload(answer), job(attempts=MAX_ATTEMPTS)), 10)
+    assert result["error"]["type"] == "ValueError" and "returnValue" not in result
