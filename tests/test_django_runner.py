@@ -1,9 +1,12 @@
 """The task runner: a StopIteration raised in its threads (which run_in_executor alone would
 never hand back) comes back to the worker as a RuntimeError caused by it; a task_finished
-receiver that raises is logged and leaves the run's outcome as it was; a task_started receiver
-that raises fails the try before the task runs."""
+receiver that raises is logged and leaves the run's outcome as it was, and the receivers of a
+failed run find its error in sys.exc_info(), a coroutine's too; a task_started receiver that
+raises fails the try before the task runs."""
 
 import asyncio
+import sys
+import traceback
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
@@ -25,6 +28,11 @@ def answer():
 @task
 def fails():
     raise KeyError("the task's own error")
+
+
+@task
+async def fails_async():
+    raise KeyError("the coroutine's own error")
 
 
 def job(attempts: int) -> Job:
@@ -126,3 +134,23 @@ async def test_a_task_started_receiver_that_raises_fails_an_earlier_try_to_be_re
 async def test_a_task_started_receiver_that_raises_fails_a_last_try_for_good(runner, failing_start):
     result = await asyncio.wait_for(runner(payload(answer), job(attempts=MAX_ATTEMPTS)), 10)
     assert result["error"]["type"] == "ValueError" and "returnValue" not in result
+
+
+@pytest.mark.parametrize("failing_task", [fails, fails_async])
+async def test_the_task_finished_receivers_of_a_failed_run_find_its_error_being_handled(runner, failing_task):
+    seen = []
+
+    def receiver(**kwargs):
+        seen.append(sys.exc_info())
+
+    task_finished.connect(receiver)
+    try:
+        with pytest.raises(HandlerFailed) as failed:
+            await asyncio.wait_for(runner(payload(failing_task), job(attempts=1)), 10)
+    finally:
+        task_finished.disconnect(receiver)
+    [(kind, error, trace)] = seen
+    assert kind is KeyError and "own error" in str(error)
+    frames = [frame.name for frame in traceback.extract_tb(trace)]
+    assert frames[-1] == failing_task.func.__name__ and "_failed_on_the_loop" not in frames
+    assert "_failed_on_the_loop" not in failed.value.details["traceback"]  # the error as the task raised it

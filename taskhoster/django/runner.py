@@ -59,7 +59,7 @@ class TaskRunner:
         runs = runs_of(job, self._worker_id)
         try:
             started = await self._in_thread(self._start, payload, job, runs)
-        except Exception as exc:  # no such task, or not a task's payload: no signals to send
+        except Exception as exc:  # no such task, not a task's payload, a task_started receiver raised
             return self._give_up_or_retry(job, raised(exc, runs), exc, final=self._is_final(job))
         if not iscoroutinefunction(started.result.task.func):
             return await self._in_thread(self._call_plain, started)
@@ -68,7 +68,7 @@ class TaskRunner:
             args, kwargs = started.arguments
             value = await started.result.task.func(*args, **kwargs)
         except Exception as exc:
-            return await self._in_thread(self._failed, started, exc)
+            return await self._in_thread(self._failed_on_the_loop, started, exc)
         finally:
             await sync_to_async(close_old_connections)()
         return await self._in_thread(self._returned, started, value)
@@ -129,6 +129,16 @@ class TaskRunner:
         _tell_finished(self._backend, started.result)
         close_old_connections()
         return self._give_up_or_retry(started.job, error, exc, final=final)
+
+    def _failed_on_the_loop(self, started: Started, exc: Exception) -> Any:
+        """`_failed` for a coroutine task, whose error was caught on the event loop: raised again
+        here, its traceback kept, so the receivers of task_finished find it in sys.exc_info()."""
+        traceback = exc.__traceback__
+        try:
+            raise exc
+        except Exception:
+            exc.__traceback__ = traceback  # not this frame on top of the task's
+            return self._failed(started, exc)
 
     # -- either side -----------------------------------------------------------------------------
 
