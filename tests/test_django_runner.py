@@ -26,6 +26,11 @@ def answer():
 
 
 @task
+async def answer_async():
+    return 42
+
+
+@task
 def fails():
     raise KeyError("the task's own error")
 
@@ -88,23 +93,25 @@ def payload(of_task) -> dict:
     return {"task": of_task.module_path, "args": [], "kwargs": {}}
 
 
+@pytest.mark.parametrize("returning_task", [answer, answer_async])
 async def test_a_task_finished_receiver_that_raises_leaves_the_returned_value_as_the_result(
-    runner, raising_receiver, caplog
+    runner, raising_receiver, caplog, returning_task
 ):
     # an earlier try: had the receiver's error failed the handler, the Worker would run it again
-    result = await asyncio.wait_for(runner(payload(answer), job(attempts=1)), 10)
+    result = await asyncio.wait_for(runner(payload(returning_task), job(attempts=1)), 10)
     assert result["returnValue"] == 42 and result["workerIds"] == ["here"]
     logged = [record for record in caplog.records if record.name == "django.dispatch"]
     assert [type(record.exc_info[1]) for record in logged] == [raising_receiver]
 
 
+@pytest.mark.parametrize("failing_task", [fails, fails_async])
 async def test_a_task_finished_receiver_that_raises_leaves_a_failed_run_to_be_retried_with_its_own_error(
-    runner, raising_receiver
+    runner, raising_receiver, failing_task
 ):
     with pytest.raises(HandlerFailed) as failed:
-        await asyncio.wait_for(runner(payload(fails), job(attempts=1)), 10)
+        await asyncio.wait_for(runner(payload(failing_task), job(attempts=1)), 10)
     assert failed.value.details["type"] == "KeyError"
-    assert "the task's own error" in failed.value.details["message"]
+    assert "own error" in failed.value.details["message"]
 
 
 async def test_a_task_finished_receiver_that_raises_leaves_a_last_failed_run_failed_with_its_own_error(
