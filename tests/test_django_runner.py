@@ -17,6 +17,10 @@ from taskhoster.django.framework import task_finished, task_started
 from taskhoster.django.runner import TaskRunner
 from taskhoster.jobs import HandlerFailed, Job
 
+# the runner closes the database connections grown old around each task, as Django does around
+# a request: a coroutine task's in a thread that earlier tests may have left a connection in
+pytestmark = pytest.mark.django_db
+
 MAX_ATTEMPTS = 2
 
 

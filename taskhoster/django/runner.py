@@ -75,9 +75,9 @@ class TaskRunner:
 
     def _in_thread(self, call: Callable[..., Any], *args: Any) -> Awaitable[Any]:
         """`call(*args)` in one of the task threads. A StopIteration from it (a task module's
-        import, a signal's receiver) comes back as a RuntimeError: before Python 3.13 an asyncio
-        future refuses it, so run_in_executor would never hand it back and the item would wait
-        forever."""
+        import, a task_started receiver) comes back as a RuntimeError: before Python 3.13 an
+        asyncio future refuses it, so run_in_executor would never hand it back and the item would
+        wait forever."""
         return asyncio.get_running_loop().run_in_executor(self._threads, _stop_iteration_as_error, call, *args)
 
     # -- in a thread ---------------------------------------------------------------------------
