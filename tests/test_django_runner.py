@@ -17,8 +17,9 @@ from taskhoster.django.framework import task_finished, task_started
 from taskhoster.django.runner import TaskRunner
 from taskhoster.jobs import HandlerFailed, Job
 
-# the runner closes the database connections grown old around each task, as Django does around
-# a request: a coroutine task's in a thread that earlier tests may have left a connection in
+# the runner closes the database connections grown old around each task, as Django does around a
+# request; for a coroutine task it does so in sync_to_async's shared thread, where an earlier test
+# may have left a connection open
 pytestmark = pytest.mark.django_db
 
 MAX_ATTEMPTS = 2

@@ -5,7 +5,8 @@ on the event loop, with a TaskContext first if it takes one), fires the framewor
 and task_finished signals, and closes the database connections that have grown old around each
 task, as Django does around each request. What the task returns is the item's result; what it
 raises is retried while the backend's max_attempts allows, and else is the item's result too.
-A task_finished receiver that raises is logged and changes neither: the run is over by then.
+A task_finished receiver that raises is logged, and changes neither the result nor whether the
+task runs again: the run is over by then.
 """
 
 import asyncio
