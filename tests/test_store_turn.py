@@ -137,6 +137,48 @@ def test_a_thread_waiting_for_another_threads_directory_flush_lets_it_end(tmp_pa
     assert _run_threads([first, second], names=["first", "second"]) == []
 
 
+def test_a_batch_of_files_is_flushed_in_one_wait_out_of_the_turn(tmp_path, monkeypatch):
+    """Once a thread flushing several files has let go of the turn, it flushes them all before it
+    takes the turn back: another thread taking the turn meanwhile does not hold up the rest of
+    the batch (taken back between files, a batch waited for the turn once a file)."""
+    paths = [tmp_path / f"file-{n}" for n in range(3)]
+    for path in paths:
+        path.write_bytes(b"x")
+    first_flush, turn_taken = threading.Event(), threading.Event()
+    flushed: list[int] = []
+    all_flushed = threading.Event()
+    fsync = os.fsync
+
+    def counting_fsync(fd):
+        if threading.current_thread().name == "flusher":
+            if not flushed:
+                first_flush.set()
+                assert turn_taken.wait(HANG_SECONDS)
+            fsync(fd)
+            flushed.append(fd)
+            if len(flushed) == len(paths):
+                all_flushed.set()
+        else:
+            fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", counting_fsync)
+    seen_in_the_turn = []
+
+    def other():
+        assert first_flush.wait(HANG_SECONDS)
+
+        def hold_the_turn():
+            turn_taken.set()
+            seen_in_the_turn.append(all_flushed.wait(10))  # False: the flusher waits for this turn
+
+        turn.taking(hold_the_turn)
+
+    flusher = partial(turn.taking, partial(files.flush_files, [str(path) for path in paths]))
+    assert _run_threads([flusher, other], names=["flusher", "other"]) == []
+    assert seen_in_the_turn == [True]
+    assert len(flushed) == len(paths)
+
+
 def test_threads_racing_in_the_turn_on_the_same_items_finish_every_one(tmp_path):
     """Threads hand in results for the same items in the same order, with fsync on: each waits for
     its flushes holding an item's lock, and for the item locks the others hold, while the rest

@@ -328,6 +328,12 @@ def remove_quietly(path: str) -> None:
 
 def flush_files(paths: list[str]) -> None:
     """Flush files to disk. Several are all sent on their way first, then each is waited for."""
+    # whole, out of the turn: taken back between one file's flush and the next, a batch waited
+    # for it once a file
+    turn.outside(_flush_files, paths)
+
+
+def _flush_files(paths: list[str]) -> None:
     if len(paths) > 1 and _START_WRITEBACK:
         for path in paths:
             _start_writeback(path)
