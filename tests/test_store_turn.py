@@ -2,6 +2,7 @@
 flush, an item lock), and threads racing in it on the same items never deadlock, with another
 process holding item locks too."""
 
+import errno
 import os
 import subprocess
 import sys
@@ -169,7 +170,7 @@ def test_a_batch_of_files_is_flushed_in_one_wait_out_of_the_turn(tmp_path, monke
 
         def hold_the_turn():
             turn_taken.set()
-            seen_in_the_turn.append(all_flushed.wait(10))  # False: the flusher waits for this turn
+            seen_in_the_turn.append(all_flushed.wait(10))  # False if the flusher needed the turn back
 
         turn.taking(hold_the_turn)
 
@@ -177,6 +178,37 @@ def test_a_batch_of_files_is_flushed_in_one_wait_out_of_the_turn(tmp_path, monke
     assert _run_threads([flusher, other], names=["flusher", "other"]) == []
     assert seen_in_the_turn == [True]
     assert len(flushed) == len(paths)
+
+
+def test_a_failed_flush_in_a_batch_is_raised_with_the_turn_taken_back(tmp_path, monkeypatch):
+    """A file of the batch the disk fails to flush fails the call, in the turn again as it was
+    entered, with no descriptor left open; the turn is free for the next caller."""
+    paths = [tmp_path / f"file-{n}" for n in range(3)]
+    for path in paths:
+        path.write_bytes(b"x")
+    fsync, calls = os.fsync, []
+
+    def failing_fsync(fd):
+        calls.append(fd)
+        if len(calls) == 2:
+            raise OSError(errno.EIO, "the disk failed")
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", failing_fsync)
+    open_before = len(os.listdir("/proc/self/fd"))
+    raised = []
+
+    def flush():
+        try:
+            files.flush_files([str(path) for path in paths])
+        except OSError as exc:
+            raised.append(exc.errno)
+
+    # taking() lets go of the turn as it ends: had the flush not taken it back, that would raise
+    assert _run_threads([partial(turn.taking, flush)]) == []
+    assert raised == [errno.EIO]
+    assert len(os.listdir("/proc/self/fd")) == open_before
+    assert _run_threads([partial(turn.taking, lambda: None)]) == []  # the turn is free
 
 
 def test_threads_racing_in_the_turn_on_the_same_items_finish_every_one(tmp_path):

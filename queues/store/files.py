@@ -328,8 +328,8 @@ def remove_quietly(path: str) -> None:
 
 def flush_files(paths: list[str]) -> None:
     """Flush files to disk. Several are all sent on their way first, then each is waited for."""
-    # whole, out of the turn: taken back between one file's flush and the next, a batch waited
-    # for it once a file
+    # one wait out of the turn for the whole batch: taking the turn back after each file made a
+    # batch wait for it once a file
     turn.outside(_flush_files, paths)
 
 
