@@ -142,9 +142,7 @@ def test_a_batch_of_files_is_flushed_in_one_wait_out_of_the_turn(tmp_path, monke
     """Once a thread flushing several files has let go of the turn, it flushes them all before it
     takes the turn back: another thread taking the turn meanwhile does not hold up the rest of
     the batch (taken back between files, a batch waited for the turn once a file)."""
-    paths = [tmp_path / f"file-{n}" for n in range(3)]
-    for path in paths:
-        path.write_bytes(b"x")
+    paths = _small_files(tmp_path)
     first_flush, turn_taken = threading.Event(), threading.Event()
     flushed: list[int] = []
     all_flushed = threading.Event()
@@ -174,41 +172,39 @@ def test_a_batch_of_files_is_flushed_in_one_wait_out_of_the_turn(tmp_path, monke
 
         turn.taking(hold_the_turn)
 
-    flusher = partial(turn.taking, partial(files.flush_files, [str(path) for path in paths]))
+    flusher = partial(turn.taking, partial(files.flush_files, paths))
     assert _run_threads([flusher, other], names=["flusher", "other"]) == []
     assert seen_in_the_turn == [True]
     assert len(flushed) == len(paths)
 
 
-def test_a_failed_flush_in_a_batch_is_raised_with_the_turn_taken_back(tmp_path, monkeypatch):
+def test_a_failed_flush_in_a_batch_is_raised_with_the_turn_taken_back(tmp_path, faults):
     """A file of the batch the disk fails to flush fails the call, in the turn again as it was
     entered, with no descriptor left open; the turn is free for the next caller."""
-    paths = [tmp_path / f"file-{n}" for n in range(3)]
-    for path in paths:
-        path.write_bytes(b"x")
-    fsync, calls = os.fsync, []
-
-    def failing_fsync(fd):
-        calls.append(fd)
-        if len(calls) == 2:
-            raise OSError(errno.EIO, "the disk failed")
-        fsync(fd)
-
-    monkeypatch.setattr(os, "fsync", failing_fsync)
+    paths = _small_files(tmp_path)
+    faults.fail(at=2, calls={"fsync"})
     open_before = len(os.listdir("/proc/self/fd"))
     raised = []
 
     def flush():
         try:
-            files.flush_files([str(path) for path in paths])
+            files.flush_files(paths)
         except OSError as exc:
             raised.append(exc.errno)
 
     # taking() lets go of the turn as it ends: had the flush not taken it back, that would raise
     assert _run_threads([partial(turn.taking, flush)]) == []
     assert raised == [errno.EIO]
+    assert faults.struck == [("fsync", paths[1])]
     assert len(os.listdir("/proc/self/fd")) == open_before
     assert _run_threads([partial(turn.taking, lambda: None)]) == []  # the turn is free
+
+
+def _small_files(directory: Path, count: int = 3) -> list[str]:
+    paths = [directory / f"file-{n}" for n in range(count)]
+    for path in paths:
+        path.write_bytes(b"x")
+    return [str(path) for path in paths]
 
 
 def test_threads_racing_in_the_turn_on_the_same_items_finish_every_one(tmp_path):
