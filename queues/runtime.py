@@ -1,13 +1,11 @@
 """The process-wide objects built from settings, made once and lazily, and where store calls run.
 
 Async code calls the store through `run`, and only here is it decided where each call runs:
-- reads and claims on the event loop: each is a few small file operations, never waits for a
-  flush or for a large directory to be listed, and costs less than a hop to a thread and back;
-  a claim takes its first few items there, and any more in the store's threads, so a big one
-  never keeps the loop from its sockets;
-- the other transitions in the store's threads, taking turns (see store.turn): they wait for
-  the disk to flush, and concurrent posts and results there share their flushes (see
-  store.files);
+- transitions of a few items on the event loop, their waits for the disk or a lock in threads
+  meanwhile (see store.turn): the loop goes on, and concurrent posts and results share their
+  flushes (see store.files);
+- bigger ones in the store's threads, taking turns, so a batch of many files never keeps the loop
+  from its sockets: a claim takes its first few items on the loop and any more there;
 - calls that may read whole directories (counts, listings, health, sweeps) in threads of their
   own, so a big queue's count never holds up a post.
 """
@@ -31,8 +29,9 @@ log = logging.getLogger(__name__)
 
 STORE_THREADS = 2  # one runs while the other waits for the disk; more would only queue for the turn
 SCAN_THREADS = 2
-ON_LOOP = frozenset({"read_item"})
-CLAIMS_ON_LOOP = 8  # items a claim takes on the event loop before it goes on in the store's threads
+ITEMS_ON_LOOP = 8  # items a call may have to run on the event loop
+CLAIMS_ON_LOOP = ITEMS_ON_LOOP  # items a claim takes on the loop before it goes on in the store's threads
+ITEM_LISTS = ("items", "results", "releases")  # the arguments that hold a call's items
 SCANS = frozenset(
     {"count_items", "list_items", "throughput", "check_health", "sweep_queue", "take_snapshot", "count_queues"}
 )
@@ -74,13 +73,19 @@ async def run(call, /, **kwargs):
     Once started it runs to its end even if the caller is cancelled meanwhile, so a transition
     is never left half done."""
     name = getattr(call, "__name__", "")
-    if name in ON_LOOP:
-        return call(**kwargs)
     if name == "claim_items":
         return await _claim(call, **kwargs)
     if name in SCANS:
         return await in_thread(_scan_threads(), call, **kwargs)
+    if max((len(kwargs[arg]) for arg in ITEM_LISTS if arg in kwargs), default=1) <= ITEMS_ON_LOOP:
+        return await turn.on_loop(call, **kwargs)
     return await _in_store_thread(call, **kwargs)
+
+
+async def store_threads_answer() -> bool:
+    """Whether the store's threads take a call (one not started when its caller gives up never
+    runs)."""
+    return await in_thread(_store_threads(), bool, True)
 
 
 def _in_store_thread(call, /, **kwargs) -> Awaitable:
@@ -91,7 +96,7 @@ def _in_store_thread(call, /, **kwargs) -> Awaitable:
 async def _claim(claim_items, /, *, max_items: int = 1, **kwargs) -> list:
     """A claim's first items on the loop, the rest (if it found all it took there) in the store's
     threads; a failure there ends the claim with what it had, as within one claim."""
-    first = claim_items(max_items=min(max_items, CLAIMS_ON_LOOP), **kwargs)
+    first = await turn.on_loop(claim_items, max_items=min(max_items, CLAIMS_ON_LOOP), **kwargs)
     if len(first) < CLAIMS_ON_LOOP or max_items <= CLAIMS_ON_LOOP:
         return first
     try:

@@ -308,14 +308,19 @@ async def test_health_is_503_when_the_database_does_not_answer(api, transactiona
 
 @pytest.mark.parametrize("stuck", ["storeThread", "dataDirectory"])
 async def test_health_is_503_while_a_check_hangs(api, transactional_db, monkeypatch, stuck):
-    """Every transition waits for a store thread, and the directory check for the disk: when
-    either hangs (disk calls that never return), /healthz says so within its timeout, rather
-    than answer 200 while posts, claims and results hang, or hang itself."""
+    """Big batches wait for a store thread, and the directory check for the disk: when either
+    hangs (disk calls that never return), /healthz says so within its timeout, rather than
+    answer 200 while batches hang, or hang itself."""
     monkeypatch.setattr(handlers, "HEALTH_TIMEOUT_SECONDS", 1.0)
     release = threading.Event()
     held = None
     if stuck == "storeThread":  # every one of the process's store threads is taken
-        held = asyncio.gather(*(run(release.wait) for _ in range(runtime.STORE_THREADS)))
+
+        def post_items(items):
+            release.wait()  # as a flush that never returns
+
+        batch = [None] * (runtime.ITEMS_ON_LOOP + 1)
+        held = asyncio.gather(*(run(post_items, items=batch) for _ in range(runtime.STORE_THREADS)))
     else:
         check_health = Store.check_health
 

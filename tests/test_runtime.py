@@ -1,8 +1,10 @@
-"""Where store calls run: a claim takes its first items on the event loop and the rest in the
-store's threads, and the caller sees one claim."""
+"""Where store calls run: a call of a few items on the event loop, a bigger one in the store's
+threads; a claim takes its first items on the loop and the rest in the store's threads, and the
+caller sees one claim."""
 
 import asyncio
 import threading
+from concurrent.futures import Future
 
 import pytest
 
@@ -86,46 +88,61 @@ async def test_a_claim_that_fails_at_once_raises(tmp_path):
 # ---- calls in the store's threads ---------------------------------------------------------------
 
 
-async def test_a_call_in_the_store_threads_returns_its_value_or_raises_its_error():
-    def post_items(*, value):
+def _many() -> list:
+    return [None] * (runtime.ITEMS_ON_LOOP + 1)
+
+
+@pytest.mark.parametrize("items, on_the_loop", [([None] * runtime.ITEMS_ON_LOOP, True), (_many(), False)])
+async def test_a_call_runs_on_the_loop_or_in_the_store_threads_by_its_items(items, on_the_loop):
+    def post_items(*, items, value):
         if value is None:
             raise StorageUnavailable("the disk is full")
         return (value, threading.current_thread() is threading.main_thread())
 
-    assert await run(post_items, value=7) == (7, False)
+    assert await run(post_items, items=items, value=7) == (7, on_the_loop)
     with pytest.raises(StorageUnavailable, match="the disk is full"):
-        await run(post_items, value=None)
+        await run(post_items, items=items, value=None)
 
 
-@pytest.mark.parametrize("name", ["post_items", "count_items"])  # the store's threads, a scan's
-async def test_a_call_that_raises_stopiteration_fails_its_caller_rather_than_leave_it_waiting(name):
-    def call():
+@pytest.mark.parametrize("kwargs, on_the_loop", [({}, True), ({"results": _many()}, False), ({"releases": _many()}, False)])
+async def test_a_call_of_no_item_list_runs_on_the_loop_and_big_batches_of_results_in_threads(kwargs, on_the_loop):
+    def finish_items(**kwargs):
+        return threading.current_thread() is threading.main_thread()
+
+    assert await run(finish_items, **kwargs) is on_the_loop
+
+
+@pytest.mark.parametrize("name, kwargs", [("post_items", {}), ("post_items", {"items": _many()}), ("count_items", {})])
+async def test_a_call_that_raises_stopiteration_fails_its_caller_rather_than_leave_it_waiting(name, kwargs):
+    # on the loop, in the store's threads, in a scan's
+    def call(**kwargs):
         return next(iter(()))
 
     call.__name__ = name
     with pytest.raises(RuntimeError, match="StopIteration") as raised:
-        await asyncio.wait_for(run(call), 10)
+        await asyncio.wait_for(run(call, **kwargs), 10)
     assert isinstance(raised.value.__cause__, StopIteration)  # its traceback kept
 
 
-async def test_a_started_call_runs_to_its_end_though_its_caller_is_cancelled():
-    started, go_on, ended = threading.Event(), threading.Event(), threading.Event()
+@pytest.mark.parametrize("kwargs", [{}, {"items": _many()}])  # on the loop, in the store's threads
+async def test_a_started_call_runs_to_its_end_though_its_caller_is_cancelled(kwargs):
+    started, go_on, ended = threading.Event(), Future(), threading.Event()
 
-    def post_items():
+    def post_items(**kwargs):
         started.set()
-        go_on.wait(10)
+        turn.wait_for(go_on)  # as for a lock another holds
         ended.set()
 
     loop = asyncio.get_running_loop()
     troubles = []  # the outcome handed back to a caller that is gone must raise nothing on the loop
     loop.set_exception_handler(lambda loop, context: troubles.append(context))
     try:
-        caller = asyncio.create_task(run(post_items))
+        caller = asyncio.create_task(run(post_items, **kwargs))
         await asyncio.to_thread(started.wait, 10)
         caller.cancel()
+        go_on.set_result(None)
         with pytest.raises(asyncio.CancelledError):
             await caller
-        go_on.set()
         assert await asyncio.to_thread(ended.wait, 10)
         await run(lambda: None)  # after the cancelled call's outcome reached the loop, most likely
         for _ in range(10):
@@ -140,17 +157,17 @@ async def test_a_call_whose_caller_is_cancelled_before_it_starts_never_runs():
     started, go_on = threading.Event(), threading.Event()
     ran = []
 
-    def finish_items():
+    def finish_items(**kwargs):
         started.set()
         go_on.wait(10)
 
-    def post_items():
+    def post_items(**kwargs):
         ran.append(True)
 
-    holders = [asyncio.create_task(run(finish_items)) for _ in range(runtime.STORE_THREADS)]
+    holders = [asyncio.create_task(run(finish_items, results=_many())) for _ in range(runtime.STORE_THREADS)]
     try:
         await asyncio.to_thread(started.wait, 10)
-        waiting = asyncio.create_task(run(post_items))
+        waiting = asyncio.create_task(run(post_items, items=_many()))
         await asyncio.sleep(0.05)  # it is in the store threads' queue now
         waiting.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -158,12 +175,12 @@ async def test_a_call_whose_caller_is_cancelled_before_it_starts_never_runs():
     finally:
         go_on.set()  # even if the test fails: the store threads are the next test's too
     await asyncio.gather(*holders)
-    assert await run(post_items) is None
+    assert await run(post_items, items=_many()) is None
     # every store thread waiting at once on a barrier: a call that had started would have ended
     barrier = threading.Barrier(runtime.STORE_THREADS, timeout=10)
 
-    def save_items():
+    def save_items(**kwargs):
         turn.outside(barrier.wait)  # out of the turn, which the other threads must take to get here
 
-    await asyncio.gather(*(run(save_items) for _ in range(runtime.STORE_THREADS)))
+    await asyncio.gather(*(run(save_items, items=_many()) for _ in range(runtime.STORE_THREADS)))
     assert ran == [True]  # only the later call ran

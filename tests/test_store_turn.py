@@ -268,13 +268,13 @@ def test_a_thread_waiting_for_another_process_lock_lets_the_others_run(tmp_path,
         cwd=PROJECT, env={**os.environ, "PYTHONPATH": str(PROJECT)},
     )
     waits = threading.Event()
-    real_outside = turn.outside
+    real_wait_for = turn.wait_for
 
-    def telling_outside(call, *args):
+    def telling_wait_for(future):
         waits.set()
-        return real_outside(call, *args)
+        return real_wait_for(future)
 
-    monkeypatch.setattr(turn, "outside", telling_outside)
+    monkeypatch.setattr(turn, "wait_for", telling_wait_for)
     try:
         while not ready.exists():
             assert holder.poll() is None, "the lock holder died"

@@ -22,7 +22,7 @@ from ..protocol import (
     number_param,
     run_at_field,
 )
-from ..runtime import CLAIMS_ON_LOOP, get_registry, get_store, run
+from ..runtime import get_registry, get_store, run, store_threads_answer
 from ..services import describe_queue
 from ..store import ABSENT, NewItem, Posted, Release, single
 from ..store.keys import check_key
@@ -76,10 +76,6 @@ def _key_field(entry: dict) -> str | None:
     return entry["key"]
 
 
-def _no_op() -> bool:
-    return True
-
-
 async def _within(check, default):
     """What a health check says, or `default` if it says nothing within HEALTH_TIMEOUT_SECONDS
     (a check still waiting for its thread then never runs)."""
@@ -92,13 +88,12 @@ async def _within(check, default):
 @router.add("GET", "/healthz")
 async def health(request: Request) -> Answer:
     """The database answers, the data directory takes a real write and has room above its
-    reserve, and the store's threads (every transition waits for them) take a call; none of it
-    waited for longer than HEALTH_TIMEOUT_SECONDS, so a disk call hung in a thread makes /healthz
-    503."""
+    reserve, and the store's threads (big batches run there) take a call; none of it waited for longer than HEALTH_TIMEOUT_SECONDS, so a disk call hung in a thread
+    makes /healthz 503."""
     database, disk, store_threads = await asyncio.gather(
         _within(get_registry().aping_database(), False),
         _within(run(get_store().check_health), None),
-        _within(run(_no_op), False),
+        _within(store_threads_answer(), False),
     )
     if database and disk is not None and disk.ok and store_threads:
         return Answer(200, {"ok": True})
@@ -202,12 +197,9 @@ _giving_back: set[asyncio.Task] = set()  # kept referenced until they end
 
 async def _claim_whole(store, config, max_items: int) -> list:
     """A claim that the request's cancellation cannot cut in two, leaving items claimed for
-    nobody: if it comes while the claim's rest runs in a store thread, the claim's items go back
-    as soon as it ends. (A claim that stays on the loop has nothing to cut. At a stop, what the
-    server has not finished past its grace is cancelled, this too: those items wait for their
-    lease.)"""
-    if max_items <= CLAIMS_ON_LOOP:
-        return await run(store.claim_items, config=config, max_items=max_items)
+    nobody: if it comes while the claim waits (for an item's lock, or for its rest in a store
+    thread), the claim's items go back as soon as it ends. (At a stop, what the server has not
+    finished past its grace is cancelled, this too: those items wait for their lease.)"""
     claiming = asyncio.ensure_future(run(store.claim_items, config=config, max_items=max_items))
     try:
         return await asyncio.shield(claiming)

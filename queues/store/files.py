@@ -374,7 +374,7 @@ def _fsync(path: str) -> None:
 def flush_directory(path: str) -> None:
     """Flush a directory's entries to disk, sharing the flush with concurrent callers."""
     # whole, out of the turn: the turn is never waited for holding the flush's lock
-    turn.outside(_DirectoryFlush.of(path).flush)
+    turn.shared(_DirectoryFlush.of(path).flush)
 
 
 class _DirectoryFlush:

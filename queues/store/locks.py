@@ -2,11 +2,12 @@
 runs under that item's lock, and every post of one idempotency key under that key's lock.
 
 Each queue has a lock file for its items and one for its keys; a name maps to one byte of it (a
-stripe). A thread lock per stripe excludes the threads of this process (POSIX record locks are per
-process), a record lock on the byte excludes other processes, and the kernel drops it if the
-process dies. A thread may take a stripe it holds again (an item's transition that makes another
-item, such as a retry): the record lock is taken by the outermost hold and dropped by it. Key
-locks are always taken before item locks, and several keys' in stripe order.
+stripe). A `Stripe` excludes the threads of this process and its transitions on the event loop
+(POSIX record locks are per process), a record lock on the byte excludes other processes, and the
+kernel drops it if the process dies. A holder may take a stripe it holds again (an item's
+transition that makes another item, such as a retry): the record lock is taken by the outermost
+hold and dropped by it. Key locks are always taken before item locks, and several keys' in
+stripe order.
 """
 
 import errno
@@ -15,7 +16,10 @@ import os
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future
 from contextlib import contextmanager
+
+import greenlet
 
 from . import files, turn
 
@@ -35,8 +39,8 @@ class QueueLocks:
         self._fd = fd
         self._key = key
         self.stripes = stripes
-        self._threads: dict[int, threading.RLock] = {}  # made as stripes are first taken
-        self._depth: dict[int, int] = {}  # holds of each stripe by the thread holding it
+        self._stripes: dict[int, Stripe] = {}  # made as stripes are first taken
+        self._depth: dict[int, int] = {}  # holds of each stripe by its holder
         self._made = threading.Lock()
 
     @classmethod
@@ -62,12 +66,11 @@ class QueueLocks:
     @contextmanager
     def hold(self, name: str) -> Iterator[None]:
         stripe = self.stripe_of(name)
-        thread_lock = self._threads.get(stripe)
-        if thread_lock is None:
+        in_process = self._stripes.get(stripe)
+        if in_process is None:
             with self._made:
-                thread_lock = self._threads.setdefault(stripe, threading.RLock())
-        if not thread_lock.acquire(blocking=False):
-            turn.outside(thread_lock.acquire)
+                in_process = self._stripes.setdefault(stripe, Stripe())
+        in_process.take()
         try:
             if not self._depth.get(stripe):
                 _lock_byte(self._fd, stripe)
@@ -79,12 +82,46 @@ class QueueLocks:
                 if not self._depth[stripe]:
                     fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, stripe)
         finally:
-            thread_lock.release()
+            in_process.release()
 
     def close(self) -> None:
         with self._open_lock:
             if self._open.pop(self._key, None) is self:
                 os.close(self._fd)
+
+
+class Stripe:
+    """A lock held by one thread, or one transition on the event loop, at a time, which may take
+    it again while it holds it. A waiter waits as every wait of a transition does (turn.wait_for):
+    out of the store's turn, and holding no thread while on the loop."""
+
+    def __init__(self):
+        self._guard = threading.Lock()
+        self._holder: greenlet.greenlet | None = None  # a thread's own greenlet, or a transition's
+        self._depth = 0
+        self._waiters: list[Future] = []
+
+    def take(self) -> None:
+        me = greenlet.getcurrent()
+        while True:
+            with self._guard:
+                if self._holder is None or self._holder is me:
+                    self._holder = me
+                    self._depth += 1
+                    return
+                free = Future()
+                self._waiters.append(free)
+            turn.wait_for(free)
+
+    def release(self) -> None:
+        with self._guard:
+            self._depth -= 1
+            if self._depth:
+                return
+            self._holder = None
+            waiters, self._waiters = self._waiters, []
+        for free in waiters:  # all look again; one takes it, the rest wait anew
+            free.set_result(None)
 
 
 def _lock_byte(fd: int, offset: int) -> None:
@@ -99,7 +136,7 @@ def _lock_byte(fd: int, offset: int) -> None:
     except OSError as exc:
         if exc.errno not in (errno.EACCES, errno.EAGAIN):
             raise
-    turn.outside(_wait_for_byte, fd, offset)
+    turn.wait_for(turn.wait_threads().submit(_wait_for_byte, fd, offset))  # a wait, not for the disk
 
 
 def _wait_for_byte(fd: int, offset: int) -> None:

@@ -1,25 +1,46 @@
-"""The store's turn: of the threads running transitions, one at a time runs, and it lets another
-run while it waits for the disk or for a lock.
+"""Where a transition runs, and where its waits go.
 
-A transition is many short file calls, and each lets go of the GIL. Two threads making such
-calls side by side hand the GIL back and forth at every one of them, which costs more CPU than
-the calls do. Taking turns, a transition still overlaps another's waits for the disk, so
-concurrent posts and results go on sharing their flushes.
+On the event loop (`on_loop`): a transition runs in a greenlet of the loop's thread, and makes
+its file calls and flushes its own files there too. A thread working beside the loop would hand
+Python's GIL back and forth with it at every file call, and waking a thread for each flush waits
+for a free core on a busy machine: each costs more than the flush. A directory's flush is the one
+wait transitions share (`shared`): a transition asking for it sleeps while the loop goes on with
+what else is ready, then one flush covers every transition that asked in that turn of the loop.
+A wait for a lock (`wait_for`) holds neither the loop nor a thread: the holder settles a future.
+So the loop stops while the disk flushes, as the flush's own caller would, and a disk that never
+answers stops it.
 
-The turn guards no data, so code may always run without it (the event loop's reads and small
-claims do). What keeps it from deadlocking: a thread lets go of it around every wait that a
-holder of the turn could be the cause of (item and key locks, flushes, another's flush of the same
-directory), and takes it back holding no plain lock that such a holder might wait on.
+In threads (`taking`): of the threads running transitions (big batches, sweeps), one at a time
+runs, for the same reason, and it lets another run while it waits for the disk or for a lock.
+The turn guards no data, so code may always run without it (the sweep does). What keeps it from
+deadlocking: a thread lets go of it around every wait that a holder of the turn could be the
+cause of (item and key locks, flushes, another's flush of the same directory), and takes it back
+holding no plain lock that such a holder might wait on. That rule keeps a transition on the loop
+from blocking the loop for good too: it never sleeps holding a plain lock.
 """
 
+import asyncio
 import threading
+import weakref
 from collections.abc import Callable
-from typing import TypeVar
+from concurrent.futures import Future, ThreadPoolExecutor
+from functools import lru_cache, partial
+from typing import Any, TypeVar
+
+import greenlet
 
 T = TypeVar("T")
 
+WAIT_THREADS = 32  # more waits for other processes' locks at once only queue
+
 _turn = threading.Lock()
 _held = threading.local()
+
+
+class _OnLoop(greenlet.greenlet):
+    """A transition running on the event loop; `ended` settles with its outcome."""
+
+    ended: asyncio.Future
 
 
 def taking(call: Callable[..., T], /, **kwargs) -> T:
@@ -33,7 +54,25 @@ def taking(call: Callable[..., T], /, **kwargs) -> T:
 
 
 def outside(call: Callable[..., T], /, *args) -> T:
-    """Call `call(*args)`, a wait, out of the turn if this thread has it."""
+    """Call `call(*args)`, a wait for the disk: from a transition on the loop, at once (the loop
+    waits); from a thread, out of the turn if this thread has it."""
+    if isinstance(greenlet.getcurrent(), _OnLoop):
+        return call(*args)
+    return _out_of_turn(call, *args)
+
+
+def shared(call: Callable[..., T], /, *args) -> T:
+    """Call `call(*args)`, a wait for the disk that others may share (a directory's flush; `call`
+    and `args` hashable): from a transition on the loop, once for every transition that asked
+    for it in the same turn of the loop, after them; from a thread, as `outside` (such a call
+    shares among threads by itself)."""
+    if isinstance(greenlet.getcurrent(), _OnLoop):
+        hash((call, args))  # a TypeError here, in the transition, not on the loop
+        return _suspend((call, args))
+    return _out_of_turn(call, *args)
+
+
+def _out_of_turn(call: Callable[..., T], /, *args) -> T:
     if not getattr(_held, "turn", False):
         return call(*args)
     _held.turn = False
@@ -43,3 +82,109 @@ def outside(call: Callable[..., T], /, *args) -> T:
     finally:
         _turn.acquire()
         _held.turn = True
+
+
+def wait_for(future: Future) -> Any:
+    """What `future` (settled by another thread or transition) comes to, waited for as `outside`
+    waits, but holding no thread while a transition on the loop waits."""
+    if isinstance(greenlet.getcurrent(), _OnLoop):
+        return _suspend(future)
+    return _out_of_turn(future.result)
+
+
+async def on_loop(call: Callable[..., T], /, **kwargs) -> T:
+    """Run `call(**kwargs)` on the event loop; what it returns, or its error. Once started it runs
+    to its end even if the caller is cancelled meanwhile (the loop, not the caller, drives it)."""
+    transition = _OnLoop(partial(call, **kwargs))
+    transition.ended = asyncio.get_running_loop().create_future()
+    _go_on(transition, transition.switch)
+    return await transition.ended
+
+
+def _go_on(transition: _OnLoop, resume: Callable, *args) -> None:
+    """Run `transition` from where it is (`resume(*args)`: a switch into it with what it waited
+    for, or a throw) to its next wait or its end. Only from the loop's own greenlet: a
+    transition switched into from another would come back to this one when it next waits."""
+    ended = transition.ended
+    try:
+        asked = resume(*args)
+    except StopIteration as error:  # an asyncio future refuses it
+        failure = RuntimeError(f"a store call raised {error!r}")
+        failure.__cause__ = error
+        if not ended.cancelled():
+            ended.set_exception(failure)
+        return
+    except BaseException as error:
+        if not ended.cancelled():  # its caller is gone
+            ended.set_exception(error)
+        return
+    if transition.dead:
+        if not ended.cancelled():
+            ended.set_result(asked)
+    elif isinstance(asked, Future):
+        asked.add_done_callback(partial(_settled, ended.get_loop(), transition))
+    else:
+        call, call_args = asked
+        _DiskWaits.of(ended.get_loop()).ask(call, call_args, transition)
+
+
+def _settled(loop: asyncio.AbstractEventLoop, transition: _OnLoop, future: Future) -> None:
+    """`future` has settled, in any thread: the transition goes on from the loop's own greenlet."""
+    try:
+        loop.call_soon_threadsafe(_go_on_from, transition, future)
+    except RuntimeError:  # the loop is closed: nobody waits for the outcome
+        pass
+
+
+def _go_on_from(transition: _OnLoop, future: Future) -> None:
+    if (error := future.exception()) is not None:
+        _go_on(transition, transition.throw, error)
+    else:
+        _go_on(transition, transition.switch, future.result())
+
+
+class _DiskWaits:
+    """The waits for the disk that transitions on one loop asked for in one turn of it."""
+
+    _of: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _DiskWaits]" = weakref.WeakKeyDictionary()
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.asked: dict[object, tuple[Callable, tuple, list[_OnLoop]]] = {}
+
+    @classmethod
+    def of(cls, loop: asyncio.AbstractEventLoop) -> "_DiskWaits":
+        waits = cls._of.get(loop)
+        if waits is None:
+            waits = cls._of[loop] = cls(loop)
+        return waits
+
+    def ask(self, call: Callable, args: tuple, transition: _OnLoop) -> None:
+        key = (call, args)
+        if not self.asked:
+            self.loop.call_soon(self.run)  # after what is ready to run now
+        self.asked.setdefault(key, (call, args, []))[2].append(transition)
+
+    def run(self) -> None:
+        asked, self.asked = self.asked, {}
+        for call, args, waiting in asked.values():
+            try:
+                value = call(*args)
+            except BaseException as error:
+                for transition in waiting:
+                    _go_on(transition, transition.throw, error)
+            else:
+                for transition in waiting:
+                    _go_on(transition, transition.switch, value)
+
+
+def _suspend(waiting_on: object) -> Any:
+    """Hand what to wait for to the loop's side and sleep until it is there."""
+    return greenlet.getcurrent().parent.switch(waiting_on)
+
+
+@lru_cache(maxsize=1)
+def wait_threads() -> ThreadPoolExecutor:
+    """Threads for the waits of transitions on the loop that must not hold it: locks held in
+    other processes."""
+    return ThreadPoolExecutor(max_workers=WAIT_THREADS, thread_name_prefix="store-wait")

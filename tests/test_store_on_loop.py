@@ -1,0 +1,214 @@
+"""Transitions on the event loop: each runs in the loop's thread, and while it waits (a flush, a
+lock) the loop goes on with other work, other transitions included; the locks that exclude
+threads exclude them too, whoever holds them; what a wait raises is raised inside the
+transition; and a transition whose caller is cancelled still runs to its end."""
+
+import asyncio
+import threading
+from concurrent.futures import Future
+
+import pytest
+
+from queues.store import QueueConfig, Store, files, turn
+from queues.store.locks import QueueLocks, Stripe
+from storekit import post_batch
+
+Q = "jobs"
+HANG_SECONDS = 60  # far beyond the work: still waiting then is stuck, not slow
+
+
+async def _soon(event: threading.Event) -> bool:
+    return await asyncio.to_thread(event.wait, HANG_SECONDS)
+
+
+async def test_a_transition_waiting_lets_the_loop_run_others():
+    go_on = Future()
+    order = []
+
+    def first():
+        order.append(("first on the loop's thread", threading.current_thread() is threading.main_thread()))
+        order.append(turn.wait_for(go_on))
+        return "first"
+
+    def second():
+        order.append("second")
+        return "second"
+
+    waiting = asyncio.ensure_future(turn.on_loop(first))
+    await asyncio.sleep(0)
+    assert await turn.on_loop(second) == "second"  # while the first waits
+    go_on.set_result("first done")
+    assert await asyncio.wait_for(waiting, HANG_SECONDS) == "first"
+    assert order == [("first on the loop's thread", True), "second", "first done"]
+
+
+async def test_a_wait_for_the_disk_runs_at_once_and_a_shared_one_once_for_all_in_a_turn():
+    """On the loop's own thread: a transition's own flush at once; a flush others may share (a
+    directory's) once every transition started in the same turn of the loop has asked for it,
+    once for all of them, each getting what it returned."""
+    calls = []
+
+    def flush(name):
+        calls.append((name, threading.current_thread() is threading.main_thread()))
+        return f"{name} flushed"
+
+    def transition(name):
+        calls.append(f"{name} asks")
+        return turn.outside(flush, name), turn.shared(flush, "directory")
+
+    outcomes = await asyncio.wait_for(
+        asyncio.gather(*(turn.on_loop(transition, name=n) for n in ("a", "b"))), HANG_SECONDS
+    )
+
+    assert outcomes == [("a flushed", "directory flushed"), ("b flushed", "directory flushed")]
+    assert calls == ["a asks", ("a", True), "b asks", ("b", True), ("directory", True)]
+
+
+async def test_what_a_wait_raises_is_raised_inside_the_transition():
+    def failing_flush():
+        raise OSError(5, "the disk failed")
+
+    failed_lock = Future()
+    failed_lock.set_exception(OSError(5, "the lock file failed"))
+    cleaned_up = []
+
+    def transition(wait):
+        try:
+            wait()
+        finally:
+            cleaned_up.append(True)
+
+    with pytest.raises(OSError, match="the disk failed"):
+        await turn.on_loop(transition, wait=lambda: turn.outside(failing_flush))
+    with pytest.raises(OSError, match="the disk failed"):
+        await turn.on_loop(transition, wait=lambda: turn.shared(failing_flush))
+    with pytest.raises(OSError, match="the lock file failed"):
+        await turn.on_loop(transition, wait=lambda: turn.wait_for(failed_lock))
+    assert cleaned_up == [True, True, True]
+
+
+async def test_a_transition_whose_caller_is_cancelled_runs_to_its_end():
+    go_on = Future()
+    ended = []
+
+    def transition():
+        turn.wait_for(go_on)
+        ended.append(True)
+
+    caller = asyncio.ensure_future(turn.on_loop(transition))
+    await asyncio.sleep(0)
+    caller.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(caller, HANG_SECONDS)
+    assert ended == []
+    go_on.set_result(None)
+    for _ in range(10):
+        await asyncio.sleep(0)
+        if ended:
+            break
+    assert ended == [True]
+
+
+async def test_transitions_on_the_loop_take_an_items_lock_one_at_a_time(tmp_path):
+    """A holds an item's lock while it waits; B, on the same loop thread, asks for it: B waits
+    (without blocking the loop) until A lets go, rather than taking it as the same thread."""
+    Store(tmp_path / "data", fsync=False).ensure_queue(Q)
+    locks = QueueLocks.for_file(str(tmp_path / "data" / Q / "locks" / "items"))
+    go_on = Future()
+    order = []
+
+    def a():
+        with locks.hold("ab"):
+            order.append("a holds")
+            turn.wait_for(go_on)  # as for another lock
+            order.append("a lets go")
+
+    def b():
+        with locks.hold("ab"):
+            order.append("b holds")
+
+    holding = asyncio.ensure_future(turn.on_loop(a))
+    await asyncio.sleep(0)
+    asking = asyncio.ensure_future(turn.on_loop(b))
+    for _ in range(5):
+        await asyncio.sleep(0.01)  # the loop runs on meanwhile
+    assert order == ["a holds"]
+    go_on.set_result(None)
+    await asyncio.wait_for(asyncio.gather(holding, asking), HANG_SECONDS)
+    assert order == ["a holds", "a lets go", "b holds"]
+
+
+async def test_a_thread_and_a_transition_on_the_loop_exclude_each_other():
+    stripe = Stripe()
+    stripe.take()  # held by this, the loop's thread, outside any transition
+    taken = []
+
+    def transition():
+        stripe.take()
+        taken.append("transition")
+        stripe.release()
+
+    on_the_loop = asyncio.ensure_future(turn.on_loop(transition))
+    await asyncio.sleep(0.05)
+    assert taken == [] and not on_the_loop.done()
+    stripe.release()
+    await asyncio.wait_for(on_the_loop, HANG_SECONDS)
+
+    in_transition, go_on = threading.Event(), Future()
+
+    def holder():
+        stripe.take()
+        in_transition.set()
+        turn.wait_for(go_on)
+        stripe.release()
+
+    def thread():
+        stripe.take()
+        taken.append("thread")
+        stripe.release()
+
+    holding = asyncio.ensure_future(turn.on_loop(holder))
+    assert await _soon(in_transition)
+    waiting_thread = asyncio.ensure_future(asyncio.to_thread(thread))
+    await asyncio.sleep(0.05)
+    assert taken == ["transition"]
+    go_on.set_result(None)
+    await asyncio.wait_for(asyncio.gather(holding, waiting_thread), HANG_SECONDS)
+    assert taken == ["transition", "thread"]
+
+
+async def test_a_holder_takes_its_stripe_again():
+    stripe = Stripe()
+
+    def transition():
+        stripe.take()
+        stripe.take()  # as a retry making a new item under its old one's lock
+        stripe.release()
+        stripe.release()
+        return True
+
+    assert await asyncio.wait_for(turn.on_loop(transition), HANG_SECONDS)
+
+
+async def test_posts_on_the_loop_at_once_share_one_directory_flush(tmp_path, monkeypatch):
+    store = Store(tmp_path / "data", fsync=True)
+    store.ensure_queue(Q)
+    pending = str(tmp_path / "data" / Q / "pending")
+    flushed = []
+    fsync = files._fsync
+
+    def watched_fsync(path):
+        flushed.append(path)
+        fsync(path)
+
+    monkeypatch.setattr(files, "_fsync", watched_fsync)
+    for n in range(3):  # one after another: a flush each
+        await turn.on_loop(post_batch, store=store, queue=Q, payloads=[n])
+    assert flushed.count(pending) == 3
+
+    posts = [turn.on_loop(post_batch, store=store, queue=Q, payloads=[n]) for n in range(3, 9)]
+    await asyncio.wait_for(asyncio.gather(*posts), HANG_SECONDS)
+
+    assert flushed.count(pending) == 4  # the six at once, one for all
+    claimed = store.claim_items(config=QueueConfig(name=Q), max_items=20)
+    assert sorted(item.payload for item in claimed) == list(range(9))
