@@ -1,10 +1,10 @@
 """The /work socket: workers claim items, hand in results, and extend or release leases.
 
-Each frame's `op` maps to one `handle_<op>` method that validates the frame, calls the store off
-the event loop and answers; the lifecycle rules live in the store. A connection remembers the
-items it holds (with their claim tokens) so that closing the socket re-queues them at once (G8),
-and is told (a `canceled` frame) when one of them is canceled. No well-formed frame closes the
-socket: any error, expected or not, is answered with an error frame.
+Each frame's `op` maps to one `handle_<op>` method that validates the frame, calls the store
+where queues.runtime runs it and answers; the lifecycle rules live in the store. A connection
+remembers the items it holds (with their claim tokens) so that closing the socket re-queues them
+at once (G8), and is told (a `canceled` frame) when one of them is canceled. No well-formed
+frame closes the socket: any error, expected or not, is answered with an error frame.
 """
 
 import asyncio

@@ -1,9 +1,9 @@
 """The process-wide objects built from settings, made once and lazily, and where store calls run.
 
 Async code calls the store through `run`, and only here is it decided where each call runs:
-- transitions of a few items on the event loop, their waits for the disk or a lock in threads
-  meanwhile (see store.turn): the loop goes on, and concurrent posts and results share their
-  flushes (see store.files);
+- transitions of a few items on the event loop, flushes included (see store.turn): while one
+  waits for a lock or for a directory's flush the loop goes on, and concurrent posts and results
+  share their directories' flushes (see store.files);
 - bigger ones in the store's threads, taking turns, so a batch of many files never keeps the loop
   from its sockets: a claim takes its first few items on the loop and any more there;
 - calls that may read whole directories (counts, listings, health, sweeps) in threads of their
@@ -69,9 +69,10 @@ def _scan_threads() -> ThreadPoolExecutor:
 
 
 async def run(call, /, **kwargs):
-    """Run a store method (or any blocking call) where it belongs and return what it returns.
-    Once started it runs to its end even if the caller is cancelled meanwhile, so a transition
-    is never left half done."""
+    """Run a store method where it belongs and return what it returns (a call that blocks for long
+    must be a scan, or have more than ITEMS_ON_LOOP items, or it holds the loop). Once started it
+    runs to its end even if the caller is cancelled meanwhile, so a transition is never left half
+    done."""
     name = getattr(call, "__name__", "")
     if name == "claim_items":
         return await _claim(call, **kwargs)

@@ -8,6 +8,7 @@ import shutil
 import re
 import threading
 import time
+from concurrent.futures import Future
 
 import pytest
 from asgiref.sync import sync_to_async
@@ -19,7 +20,7 @@ from queues import ids, runtime
 from queues.api import handlers
 from queues.runtime import get_registry, get_store, run
 from queues.services import save_queue
-from queues.store import NewItem, QueueConfig, Store
+from queues.store import NewItem, QueueConfig, Store, turn
 from storekit import post_batch
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -355,30 +356,35 @@ async def test_a_payload_nested_to_the_limit_is_taken(api, queues, tokens):
     assert claimed[0]["id"] == item["id"] and claimed[0]["payload"] == value
 
 
-async def test_a_post_begun_is_finished_even_if_its_caller_is_cancelled(queues, monkeypatch):
-    """A transition handed to a store thread runs to its end: a caller cancelled meanwhile (its
-    client went away) leaves no half-done batch."""
+@pytest.mark.parametrize("count", [2, runtime.ITEMS_ON_LOOP + 1])  # on the loop, in a store thread
+async def test_a_post_begun_is_finished_even_if_its_caller_is_cancelled(queues, monkeypatch, count):
+    """A transition runs to its end: a caller cancelled meanwhile (its client went away) leaves
+    no half-done batch."""
     store = get_store()
-    gate = threading.Event()
+    gate = Future()
     real_post = store.post_items
 
+    @functools.wraps(real_post)  # its name, so it runs where the real one does
     def slow_post(**kwargs):
-        gate.wait(5)  # the caller is cancelled while this waits
+        turn.wait_for(gate)  # the caller is cancelled while this waits (as for a lock)
         return real_post(**kwargs)
 
     monkeypatch.setattr(store, "post_items", slow_post)
-    items = [NewItem(1), NewItem(2)]
+    items = [NewItem(n) for n in range(count)]
     posting = asyncio.create_task(run(store.post_items, config=QueueConfig(name="jobs"), items=items))
     await asyncio.sleep(0.2)
+    assert not posting.done()
     posting.cancel()
-    gate.set()
+    gate.set_result(None)
     queue_dir = store.data_dir / "jobs"
     for _ in range(200):
-        if len(os.listdir(queue_dir / "pending")) == 2:
+        if len(os.listdir(queue_dir / "pending")) == count:
             break
         await asyncio.sleep(0.025)
-    assert len(os.listdir(queue_dir / "pending")) == 2
+    assert len(os.listdir(queue_dir / "pending")) == count
     assert os.listdir(queue_dir / "tmp") == []
+    with pytest.raises(asyncio.CancelledError):
+        await posting
 
 
 @pytest.mark.parametrize("removed", ["jobs/pending", "jobs/tmp", "jobs/done", "jobs", "."])

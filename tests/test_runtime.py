@@ -144,7 +144,7 @@ async def test_a_started_call_runs_to_its_end_though_its_caller_is_cancelled(kwa
         with pytest.raises(asyncio.CancelledError):
             await caller
         assert await asyncio.to_thread(ended.wait, 10)
-        await run(lambda: None)  # after the cancelled call's outcome reached the loop, most likely
+        await run(lambda items: None, items=_many())  # after the cancelled call's outcome reached the loop
         for _ in range(10):
             await asyncio.sleep(0)
     finally:

@@ -4,16 +4,21 @@ threads exclude them too, whoever holds them; what a wait raises is raised insid
 transition; and a transition whose caller is cancelled still runs to its end."""
 
 import asyncio
+import os
+import subprocess
+import sys
 import threading
 from concurrent.futures import Future
+from pathlib import Path
 
 import pytest
 
 from queues.store import QueueConfig, Store, files, turn
 from queues.store.locks import QueueLocks, Stripe
-from storekit import post_batch
+from storekit import finish, post_batch
 
 Q = "jobs"
+PROJECT = Path(__file__).resolve().parent.parent
 HANG_SECONDS = 60  # far beyond the work: still waiting then is stuck, not slow
 
 
@@ -212,3 +217,80 @@ async def test_posts_on_the_loop_at_once_share_one_directory_flush(tmp_path, mon
     assert flushed.count(pending) == 4  # the six at once, one for all
     claimed = store.claim_items(config=QueueConfig(name=Q), max_items=20)
     assert sorted(item.payload for item in claimed) == list(range(9))
+
+
+async def test_a_shared_flush_that_fails_fails_every_transition_that_asked_each_with_its_own_error():
+    flushes = []
+
+    def failing_flush():
+        flushes.append(1)
+        raise OSError(5, "the disk failed")
+
+    def transition():
+        turn.shared(failing_flush)
+
+    outcomes = await asyncio.wait_for(
+        asyncio.gather(*(turn.on_loop(transition) for _ in range(3)), return_exceptions=True), HANG_SECONDS
+    )
+
+    assert flushes == [1]
+    assert all(isinstance(outcome, OSError) and outcome.errno == 5 for outcome in outcomes)
+    assert len({id(outcome) for outcome in outcomes}) == 3
+
+
+async def test_a_stripe_goes_to_its_waiters_in_the_order_they_asked():
+    stripe = Stripe()
+    go_on = Future()
+    order = []
+
+    def holder():
+        stripe.take()
+        turn.wait_for(go_on)
+        stripe.release()
+
+    def waiter(name):
+        stripe.take()
+        order.append(name)
+        stripe.release()
+
+    holding = asyncio.ensure_future(turn.on_loop(holder))
+    await asyncio.sleep(0)
+    in_thread = asyncio.ensure_future(asyncio.to_thread(waiter, "thread"))
+    for _ in range(HANG_SECONDS * 100):
+        if stripe._waiters:  # the thread waits now
+            break
+        await asyncio.sleep(0.01)
+    on_the_loop = asyncio.ensure_future(turn.on_loop(waiter, name="transition"))
+    await asyncio.sleep(0)
+    assert len(stripe._waiters) == 2 and order == []
+    go_on.set_result(None)
+    await asyncio.wait_for(asyncio.gather(holding, in_thread, on_the_loop), HANG_SECONDS)
+    assert order == ["thread", "transition"]
+
+
+async def test_a_transition_waiting_for_another_process_lock_lets_the_loop_run_others(tmp_path):
+    """Another process holds every item lock: a result on the loop waits for its item's in a
+    thread of its own, while the loop runs a post (which takes no item lock); then it goes on."""
+    data_dir = tmp_path / "data"
+    store = Store(data_dir, fsync=False)
+    config = QueueConfig(name=Q)
+    post_batch(store, Q, ["first"])
+    (item,) = store.claim_items(config=config, max_items=1)
+    ready, release = tmp_path / "ready", tmp_path / "release"
+    holder = subprocess.Popen(  # the holder of test_store_turn.py's own cross-process test
+        [sys.executable, str(PROJECT / "tests" / "test_store_turn.py"), str(data_dir), str(ready), str(release)],
+        cwd=PROJECT, env={**os.environ, "PYTHONPATH": str(PROJECT)},
+    )
+    try:
+        while not ready.exists():
+            assert holder.poll() is None, "the lock holder died"
+            await asyncio.sleep(0.01)
+        finishing = asyncio.ensure_future(turn.on_loop(finish, store=store, config=config, item_id=item.id, result="late"))
+        await asyncio.sleep(0.05)
+        posted = await asyncio.wait_for(turn.on_loop(post_batch, store=store, queue=Q, payloads=["meanwhile"]), HANG_SECONDS)
+        assert len(posted) == 1 and not finishing.done()
+        release.write_text("go")
+        assert (await asyncio.wait_for(finishing, HANG_SECONDS)).accepted
+    finally:
+        release.write_text("go")
+        holder.wait(HANG_SECONDS)

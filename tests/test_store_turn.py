@@ -268,13 +268,13 @@ def test_a_thread_waiting_for_another_process_lock_lets_the_others_run(tmp_path,
         cwd=PROJECT, env={**os.environ, "PYTHONPATH": str(PROJECT)},
     )
     waits = threading.Event()
-    real_wait_for = turn.wait_for
+    real_aside = turn.aside
 
-    def telling_wait_for(future):
+    def telling_aside(call, *args):
         waits.set()
-        return real_wait_for(future)
+        return real_aside(call, *args)
 
-    monkeypatch.setattr(turn, "wait_for", telling_wait_for)
+    monkeypatch.setattr(turn, "aside", telling_aside)
     try:
         while not ready.exists():
             assert holder.poll() is None, "the lock holder died"

@@ -88,8 +88,9 @@ async def _within(check, default):
 @router.add("GET", "/healthz")
 async def health(request: Request) -> Answer:
     """The database answers, the data directory takes a real write and has room above its
-    reserve, and the store's threads (big batches run there) take a call; none of it waited for longer than HEALTH_TIMEOUT_SECONDS, so a disk call hung in a thread
-    makes /healthz 503."""
+    reserve, and the store's threads (big batches run there) take a call; none of it waited for
+    longer than HEALTH_TIMEOUT_SECONDS, so a disk call hung in a thread makes /healthz 503 (one
+    hung on the event loop, a transition's flush, stops the server: docs/deployment.md)."""
     database, disk, store_threads = await asyncio.gather(
         _within(get_registry().aping_database(), False),
         _within(run(get_store().check_health), None),

@@ -4,7 +4,7 @@
     layout       the one path builder, and the rules for names
     files        every file-system call, its outcome checked; flushes shared by callers
     locks        item locks across threads and processes
-    turn         which of the store's threads runs: one at a time, the others waiting on the disk
+    turn         where a transition runs (the loop, or threads taking turns) and where it waits
     pending      this process's view of a queue's oldest pending ids
     items        one item on disk: read, write aside, move, end, claim record
     schedule     which scheduled items are due, from marks named for when

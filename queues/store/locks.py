@@ -15,6 +15,7 @@ import fcntl
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
@@ -92,36 +93,38 @@ class QueueLocks:
 
 class Stripe:
     """A lock held by one thread, or one transition on the event loop, at a time, which may take
-    it again while it holds it. A waiter waits as every wait of a transition does (turn.wait_for):
-    out of the store's turn, and holding no thread while on the loop."""
+    it again while it holds it. Waiters get it in the order they asked, each waiting as every
+    wait of a transition does (turn.wait_for): out of the store's turn, and holding no thread
+    while on the loop."""
 
     def __init__(self):
         self._guard = threading.Lock()
         self._holder: greenlet.greenlet | None = None  # a thread's own greenlet, or a transition's
         self._depth = 0
-        self._waiters: list[Future] = []
+        self._waiters: deque[tuple[greenlet.greenlet, Future]] = deque()
 
     def take(self) -> None:
         me = greenlet.getcurrent()
-        while True:
-            with self._guard:
-                if self._holder is None or self._holder is me:
-                    self._holder = me
-                    self._depth += 1
-                    return
-                free = Future()
-                self._waiters.append(free)
-            turn.wait_for(free)
+        with self._guard:
+            if self._holder is None or self._holder is me:
+                self._holder = me
+                self._depth += 1
+                return
+            handed = Future()
+            self._waiters.append((me, handed))
+        turn.wait_for(handed)  # release makes this one the holder before it settles `handed`
 
     def release(self) -> None:
         with self._guard:
             self._depth -= 1
             if self._depth:
                 return
-            self._holder = None
-            waiters, self._waiters = self._waiters, []
-        for free in waiters:  # all look again; one takes it, the rest wait anew
-            free.set_result(None)
+            if not self._waiters:
+                self._holder = None
+                return
+            self._holder, handed = self._waiters.popleft()
+            self._depth = 1
+        handed.set_result(None)
 
 
 def _lock_byte(fd: int, offset: int) -> None:
@@ -136,7 +139,7 @@ def _lock_byte(fd: int, offset: int) -> None:
     except OSError as exc:
         if exc.errno not in (errno.EACCES, errno.EAGAIN):
             raise
-    turn.wait_for(turn.wait_threads().submit(_wait_for_byte, fd, offset))  # a wait, not for the disk
+    turn.aside(_wait_for_byte, fd, offset)
 
 
 def _wait_for_byte(fd: int, offset: int) -> None:

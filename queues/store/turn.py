@@ -6,13 +6,14 @@ Python's GIL back and forth with it at every file call, and waking a thread for 
 for a free core on a busy machine: each costs more than the flush. A directory's flush is the one
 wait transitions share (`shared`): a transition asking for it sleeps while the loop goes on with
 what else is ready, then one flush covers every transition that asked in that turn of the loop.
-A wait for a lock (`wait_for`) holds neither the loop nor a thread: the holder settles a future.
-So the loop stops while the disk flushes, as the flush's own caller would, and a disk that never
-answers stops it.
+A wait for a lock of this process (`wait_for`) holds neither the loop nor a thread: the holder
+settles a future; one for another process's lock (`aside`) holds a thread of its own. So the loop
+stops while the disk flushes, as the flush's own caller would, and a disk that never answers
+stops it.
 
-In threads (`taking`): of the threads running transitions (big batches, sweeps), one at a time
-runs, for the same reason, and it lets another run while it waits for the disk or for a lock.
-The turn guards no data, so code may always run without it (the sweep does). What keeps it from
+In threads (`taking`): of the threads running transitions (big batches), one at a time runs, for
+the same reason, and it lets another run while it waits for the disk or for a lock. The turn
+guards no data, so code may always run without it (the sweep does). What keeps it from
 deadlocking: a thread lets go of it around every wait that a holder of the turn could be the
 cause of (item and key locks, flushes, another's flush of the same directory), and takes it back
 holding no plain lock that such a holder might wait on. That rule keeps a transition on the loop
@@ -20,18 +21,17 @@ from blocking the loop for good too: it never sleeps holding a plain lock.
 """
 
 import asyncio
+import copy
 import threading
 import weakref
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
-from functools import lru_cache, partial
+from concurrent.futures import Future
+from functools import partial
 from typing import Any, TypeVar
 
 import greenlet
 
 T = TypeVar("T")
-
-WAIT_THREADS = 32  # more waits for other processes' locks at once only queue
 
 _turn = threading.Lock()
 _held = threading.local()
@@ -85,11 +85,29 @@ def _out_of_turn(call: Callable[..., T], /, *args) -> T:
 
 
 def wait_for(future: Future) -> Any:
-    """What `future` (settled by another thread or transition) comes to, waited for as `outside`
-    waits, but holding no thread while a transition on the loop waits."""
+    """What `future` (settled by another thread or transition) comes to: from a transition on
+    the loop, sleeping while the loop goes on; from a thread, out of the turn."""
     if isinstance(greenlet.getcurrent(), _OnLoop):
         return _suspend(future)
     return _out_of_turn(future.result)
+
+
+def aside(call: Callable[..., T], /, *args) -> T:
+    """Call `call(*args)`, a wait that must not hold the loop (for another process's lock): from
+    a transition on the loop, in a thread of its own while the loop goes on; from a thread, out
+    of the turn."""
+    if not isinstance(greenlet.getcurrent(), _OnLoop):
+        return _out_of_turn(call, *args)
+    outcome: Future = Future()
+    threading.Thread(target=_settle, args=(outcome, call, args), name="store-wait", daemon=True).start()
+    return _suspend(outcome)
+
+
+def _settle(outcome: Future, call: Callable, args: tuple) -> None:
+    try:
+        outcome.set_result(call(*args))
+    except BaseException as error:
+        outcome.set_exception(error)
 
 
 async def on_loop(call: Callable[..., T], /, **kwargs) -> T:
@@ -137,10 +155,12 @@ def _settled(loop: asyncio.AbstractEventLoop, transition: _OnLoop, future: Futur
 
 
 def _go_on_from(transition: _OnLoop, future: Future) -> None:
-    if (error := future.exception()) is not None:
+    try:
+        value = future.result()
+    except BaseException as error:  # a cancelled future's too: the transition must go on
         _go_on(transition, transition.throw, error)
     else:
-        _go_on(transition, transition.switch, future.result())
+        _go_on(transition, transition.switch, value)
 
 
 class _DiskWaits:
@@ -171,8 +191,8 @@ class _DiskWaits:
             try:
                 value = call(*args)
             except BaseException as error:
-                for transition in waiting:
-                    _go_on(transition, transition.throw, error)
+                for number, transition in enumerate(waiting):  # each its own error and traceback
+                    _go_on(transition, transition.throw, copy.copy(error) if number else error)
             else:
                 for transition in waiting:
                     _go_on(transition, transition.switch, value)
@@ -182,9 +202,3 @@ def _suspend(waiting_on: object) -> Any:
     """Hand what to wait for to the loop's side and sleep until it is there."""
     return greenlet.getcurrent().parent.switch(waiting_on)
 
-
-@lru_cache(maxsize=1)
-def wait_threads() -> ThreadPoolExecutor:
-    """Threads for the waits of transitions on the loop that must not hold it: locks held in
-    other processes."""
-    return ThreadPoolExecutor(max_workers=WAIT_THREADS, thread_name_prefix="store-wait")
