@@ -4,21 +4,17 @@ threads exclude them too, whoever holds them; what a wait raises is raised insid
 transition; and a transition whose caller is cancelled still runs to its end."""
 
 import asyncio
-import os
-import subprocess
-import sys
 import threading
 from concurrent.futures import Future
-from pathlib import Path
 
 import pytest
 
 from queues.store import QueueConfig, Store, files, turn
 from queues.store.locks import QueueLocks, Stripe
+from lock_holder import item_locks_held_elsewhere
 from storekit import finish, post_batch
 
 Q = "jobs"
-PROJECT = Path(__file__).resolve().parent.parent
 HANG_SECONDS = 60  # far beyond the work: still waiting then is stuck, not slow
 
 
@@ -271,26 +267,14 @@ async def test_a_stripe_goes_to_its_waiters_in_the_order_they_asked():
 async def test_a_transition_waiting_for_another_process_lock_lets_the_loop_run_others(tmp_path):
     """Another process holds every item lock: a result on the loop waits for its item's in a
     thread of its own, while the loop runs a post (which takes no item lock); then it goes on."""
-    data_dir = tmp_path / "data"
-    store = Store(data_dir, fsync=False)
+    store = Store(tmp_path / "data", fsync=False)
     config = QueueConfig(name=Q)
     post_batch(store, Q, ["first"])
     (item,) = store.claim_items(config=config, max_items=1)
-    ready, release = tmp_path / "ready", tmp_path / "release"
-    holder = subprocess.Popen(  # the holder of test_store_turn.py's own cross-process test
-        [sys.executable, str(PROJECT / "tests" / "test_store_turn.py"), str(data_dir), str(ready), str(release)],
-        cwd=PROJECT, env={**os.environ, "PYTHONPATH": str(PROJECT)},
-    )
-    try:
-        while not ready.exists():
-            assert holder.poll() is None, "the lock holder died"
-            await asyncio.sleep(0.01)
+    with item_locks_held_elsewhere(tmp_path / "data", Q) as let_go:
         finishing = asyncio.ensure_future(turn.on_loop(finish, store=store, config=config, item_id=item.id, result="late"))
         await asyncio.sleep(0.05)
         posted = await asyncio.wait_for(turn.on_loop(post_batch, store=store, queue=Q, payloads=["meanwhile"]), HANG_SECONDS)
         assert len(posted) == 1 and not finishing.done()
-        release.write_text("go")
+        let_go()
         assert (await asyncio.wait_for(finishing, HANG_SECONDS)).accepted
-    finally:
-        release.write_text("go")
-        holder.wait(HANG_SECONDS)

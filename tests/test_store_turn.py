@@ -4,8 +4,6 @@ process holding item locks too."""
 
 import errno
 import os
-import subprocess
-import sys
 import threading
 import time
 from functools import partial
@@ -13,10 +11,10 @@ from pathlib import Path
 
 from queues.store import QueueConfig, Release, Store, files, turn
 from queues.store.locks import QueueLocks
+from lock_holder import item_locks_held_elsewhere
 from storekit import finish, post_batch
 
 Q = "jobs"
-PROJECT = Path(__file__).resolve().parent.parent
 HANG_SECONDS = 120  # far beyond the work: a thread still running then is stuck, not slow
 
 
@@ -238,35 +236,13 @@ def test_threads_racing_in_the_turn_on_the_same_items_finish_every_one(tmp_path)
     assert store.count_items(queue=Q).pending == 20
 
 
-def _hold_item_locks(data_dir: str, ready: str, release: str) -> None:
-    """Another process: hold every item stripe of the queue until `release` exists."""
-    from contextlib import ExitStack
-
-    from queues.store.locks import ITEM_STRIPES, QueueLocks
-
-    Store(data_dir, fsync=False).ensure_queue(Q)
-    locks = QueueLocks.for_file(f"{data_dir}/{Q}/locks/items")
-    with ExitStack() as stack:
-        for stripe in range(ITEM_STRIPES):
-            stack.enter_context(locks.hold(f"{stripe:02x}"))
-        Path(ready).write_text("held")
-        while not Path(release).exists():
-            time.sleep(0.01)
-
-
 def test_a_thread_waiting_for_another_process_lock_lets_the_others_run(tmp_path, monkeypatch):
     """While another process holds the item locks, a finish in the turn waits for them out of the
     turn: a post, which needs no item lock, runs meanwhile; then the finish goes on."""
-    data_dir = tmp_path / "data"
-    store = Store(data_dir, fsync=False)
+    store = Store(tmp_path / "data", fsync=False)
     config = QueueConfig(name=Q)
     post_batch(store, Q, ["first"])
     (item,) = store.claim_items(config=config, max_items=1)
-    ready, release = tmp_path / "ready", tmp_path / "release"
-    holder = subprocess.Popen(
-        [sys.executable, __file__, str(data_dir), str(ready), str(release)],
-        cwd=PROJECT, env={**os.environ, "PYTHONPATH": str(PROJECT)},
-    )
     waits = threading.Event()
     real_aside = turn.aside
 
@@ -275,10 +251,7 @@ def test_a_thread_waiting_for_another_process_lock_lets_the_others_run(tmp_path,
         return real_aside(call, *args)
 
     monkeypatch.setattr(turn, "aside", telling_aside)
-    try:
-        while not ready.exists():
-            assert holder.poll() is None, "the lock holder died"
-            time.sleep(0.01)
+    with item_locks_held_elsewhere(tmp_path / "data", Q) as let_go:
         finished, posted = [], []
         finishing = threading.Thread(
             target=lambda: finished.append(turn.taking(partial(finish, store, config, item.id, "late"))), daemon=True
@@ -287,13 +260,6 @@ def test_a_thread_waiting_for_another_process_lock_lets_the_others_run(tmp_path,
         assert waits.wait(HANG_SECONDS)  # the finish waits for the other process's lock
         assert _run_threads([lambda: posted.extend(turn.taking(partial(post_batch, store, Q, ["meanwhile"])))]) == []
         assert len(posted) == 1 and not finished
-        release.write_text("go")
+        let_go()
         finishing.join(HANG_SECONDS)
         assert finished and finished[0].accepted
-    finally:
-        release.write_text("go")
-        holder.wait(HANG_SECONDS)
-
-
-if __name__ == "__main__":
-    _hold_item_locks(*sys.argv[1:])
