@@ -203,16 +203,34 @@ async def test_posts_on_the_loop_at_once_share_one_directory_flush(tmp_path, mon
         fsync(path)
 
     monkeypatch.setattr(files, "_fsync", watched_fsync)
-    for n in range(3):  # one after another: a flush each
-        await turn.on_loop(post_batch, store=store, queue=Q, payloads=[n])
-    assert flushed.count(pending) == 3
-
-    posts = [turn.on_loop(post_batch, store=store, queue=Q, payloads=[n]) for n in range(3, 9)]
+    posts = [turn.on_loop(post_batch, store=store, queue=Q, payloads=[n]) for n in range(6)]
     await asyncio.wait_for(asyncio.gather(*posts), HANG_SECONDS)
+    assert flushed.count(pending) == 1  # the six at once, one for all
 
-    assert flushed.count(pending) == 4  # the six at once, one for all
+    for n in range(6, 9):  # one after another: a flush each
+        await turn.on_loop(post_batch, store=store, queue=Q, payloads=[n])
+    assert flushed.count(pending) == 4
+
     claimed = store.claim_items(config=QueueConfig(name=Q), max_items=20)
     assert sorted(item.payload for item in claimed) == list(range(9))
+
+
+async def test_after_a_shared_wait_nobody_else_asked_for_the_next_run_at_once_then_one_is_gathered():
+    """Gathering costs a lone caller a turn of the loop: after a gathering nobody joined, the
+    next AT_ONCE_AFTER_ALONE shared waits run at once (two transitions together flush twice),
+    then one is gathered again and others share it."""
+    flushes = []
+
+    def transition():
+        turn.shared(flushes.append, "directory")
+
+    await turn.on_loop(transition)  # gathered, alone
+    assert len(flushes) == 1
+    for _ in range(turn.AT_ONCE_AFTER_ALONE // 2):
+        await asyncio.wait_for(asyncio.gather(turn.on_loop(transition), turn.on_loop(transition)), HANG_SECONDS)
+    assert len(flushes) == 1 + turn.AT_ONCE_AFTER_ALONE
+    await asyncio.wait_for(asyncio.gather(turn.on_loop(transition), turn.on_loop(transition)), HANG_SECONDS)
+    assert len(flushes) == 2 + turn.AT_ONCE_AFTER_ALONE  # gathered again, and shared
 
 
 async def test_a_shared_flush_that_fails_fails_every_transition_that_asked_each_with_its_own_error():

@@ -5,7 +5,8 @@ its file calls and flushes its own files there too. A thread working beside the 
 Python's GIL back and forth with it at every file call, and waking a thread for each flush waits
 for a free core on a busy machine: each costs more than the flush. A directory's flush is the one
 wait transitions share (`shared`): a transition asking for it sleeps while the loop goes on with
-what else is ready, then one flush covers every transition that asked in that turn of the loop.
+what else is ready, then one flush covers every transition that asked in that turn of the loop;
+while nobody else comes to share it, a lone caller's flush runs at once.
 A wait for a lock of this process (`wait_for`) holds neither the loop nor a thread: the holder
 settles a future; one for another process's lock (`aside`) holds a thread of its own. So the loop
 stops while the disk flushes, as the flush's own caller would, and a disk that never answers
@@ -32,6 +33,10 @@ from typing import Any, TypeVar
 import greenlet
 
 T = TypeVar("T")
+
+# after a shared wait that nobody else asked for, the next ones run at once (gathering costs the
+# lone caller a turn of the loop) until one is gathered again, to see whether others come now
+AT_ONCE_AFTER_ALONE = 8
 
 _turn = threading.Lock()
 _held = threading.local()
@@ -64,11 +69,13 @@ def outside(call: Callable[..., T], /, *args) -> T:
 def shared(call: Callable[..., T], /, *args) -> T:
     """Call `call(*args)`, a wait for the disk that others may share (a directory's flush; `call`
     and `args` hashable): from a transition on the loop, once for every transition that asked
-    for it in the same turn of the loop, after them; from a thread, as `outside` (such a call
-    shares among threads by itself)."""
+    for it in the same turn of the loop, after them, while others have been coming (else at
+    once); from a thread, as `outside` (such a call shares among threads by itself)."""
     if isinstance(greenlet.getcurrent(), _OnLoop):
         hash((call, args))  # a TypeError here, in the transition, not on the loop
-        return _suspend((call, args))
+        if _DiskWaits.of(asyncio.get_running_loop()).gathering():
+            return _suspend((call, args))
+        return call(*args)
     return _out_of_turn(call, *args)
 
 
@@ -171,6 +178,7 @@ class _DiskWaits:
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
         self.asked: dict[object, tuple[Callable, tuple, list[_OnLoop]]] = {}
+        self.at_once = 0  # shared waits to run at once before one is gathered again
 
     @classmethod
     def of(cls, loop: asyncio.AbstractEventLoop) -> "_DiskWaits":
@@ -178,6 +186,14 @@ class _DiskWaits:
         if waits is None:
             waits = cls._of[loop] = cls(loop)
         return waits
+
+    def gathering(self) -> bool:
+        """Whether a shared wait asked now waits for this turn's others: while some are gathered
+        already, or others came to the last gathering, or it is time to look again."""
+        if self.asked or not self.at_once:
+            return True
+        self.at_once -= 1
+        return False
 
     def ask(self, call: Callable, args: tuple, transition: _OnLoop) -> None:
         key = (call, args)
@@ -187,6 +203,8 @@ class _DiskWaits:
 
     def run(self) -> None:
         asked, self.asked = self.asked, {}
+        alone = all(len(waiting) == 1 for _, _, waiting in asked.values())  # nobody shared a wait
+        self.at_once = AT_ONCE_AFTER_ALONE if alone else 0
         for call, args, waiting in asked.values():
             try:
                 value = call(*args)
