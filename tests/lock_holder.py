@@ -24,8 +24,10 @@ def item_locks_held_elsewhere(data_dir: Path, queue: str) -> Iterator[Callable[[
         cwd=PROJECT, env={**os.environ, "PYTHONPATH": str(PROJECT)},
     )
     try:
+        deadline = time.monotonic() + HANG_SECONDS
         while not ready.exists():
             assert holder.poll() is None, "the lock holder died"
+            assert time.monotonic() < deadline, "the lock holder never took the locks"
             time.sleep(0.01)
         yield lambda: release.write_text("go")
     finally:
@@ -43,7 +45,8 @@ def _hold(data_dir: str, queue: str, ready: str, release: str) -> None:
         for stripe in range(ITEM_STRIPES):
             stack.enter_context(locks.hold(f"{stripe:02x}"))
         Path(ready).write_text("held")
-        while not Path(release).exists():
+        deadline = time.monotonic() + HANG_SECONDS  # a test stuck waiting on them then fails
+        while not Path(release).exists() and time.monotonic() < deadline:
             time.sleep(0.01)
 
 

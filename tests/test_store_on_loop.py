@@ -5,6 +5,7 @@ transition; and a transition whose caller is cancelled still runs to its end."""
 
 import asyncio
 import threading
+from collections import deque
 from concurrent.futures import Future
 
 import pytest
@@ -88,7 +89,7 @@ async def test_what_a_wait_raises_is_raised_inside_the_transition():
     assert cleaned_up == [True, True, True]
 
 
-async def test_a_transition_whose_caller_is_cancelled_runs_to_its_end():
+async def test_a_transition_whose_caller_is_cancelled_runs_to_its_end_and_a_stop_waits_for_it():
     go_on = Future()
     ended = []
 
@@ -98,15 +99,12 @@ async def test_a_transition_whose_caller_is_cancelled_runs_to_its_end():
 
     caller = asyncio.ensure_future(turn.on_loop(transition))
     await asyncio.sleep(0)
-    caller.cancel()
+    caller.cancel()  # as a stop cancels what is left
     with pytest.raises(asyncio.CancelledError):
         await asyncio.wait_for(caller, HANG_SECONDS)
-    assert ended == []
-    go_on.set_result(None)
-    for _ in range(10):
-        await asyncio.sleep(0)
-        if ended:
-            break
+    assert not await turn.transitions_ended(0.05) and ended == []
+    asyncio.get_running_loop().call_later(0.05, go_on.set_result, None)
+    assert await turn.transitions_ended(HANG_SECONDS)
     assert ended == [True]
 
 
@@ -171,8 +169,11 @@ async def test_a_thread_and_a_transition_on_the_loop_exclude_each_other():
     holding = asyncio.ensure_future(turn.on_loop(holder))
     assert await _soon(in_transition)
     waiting_thread = asyncio.ensure_future(asyncio.to_thread(thread))
-    await asyncio.sleep(0.05)
-    assert taken == ["transition"]
+    for _ in range(HANG_SECONDS * 100):
+        if stripe._waiters:  # the thread waits now
+            break
+        await asyncio.sleep(0.01)
+    assert taken == ["transition"] and stripe._waiters
     go_on.set_result(None)
     await asyncio.wait_for(asyncio.gather(holding, waiting_thread), HANG_SECONDS)
     assert taken == ["transition", "thread"]
@@ -231,6 +232,17 @@ async def test_after_a_shared_wait_nobody_else_asked_for_the_next_run_at_once_th
     assert len(flushes) == 1 + turn.AT_ONCE_AFTER_ALONE
     await asyncio.wait_for(asyncio.gather(turn.on_loop(transition), turn.on_loop(transition)), HANG_SECONDS)
     assert len(flushes) == 2 + turn.AT_ONCE_AFTER_ALONE  # gathered again, and shared
+    await asyncio.wait_for(asyncio.gather(turn.on_loop(transition), turn.on_loop(transition)), HANG_SECONDS)
+    assert len(flushes) == 3 + turn.AT_ONCE_AFTER_ALONE  # others came: gathered still
+
+
+async def test_a_wait_on_the_loops_thread_outside_a_transition_is_refused_not_a_hang():
+    stripe = Stripe()
+    held = asyncio.ensure_future(turn.on_loop(stripe.take))  # a transition holds it, and ends
+    await held
+    with pytest.raises(RuntimeError, match="on_loop"):
+        stripe.take()
+    assert stripe._waiters == deque()  # its wait was taken back
 
 
 async def test_a_shared_flush_that_fails_fails_every_transition_that_asked_each_with_its_own_error():

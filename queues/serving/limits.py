@@ -9,9 +9,12 @@ import resource
 
 from django.conf import settings
 
+from ..store import turn
+
 PING_INTERVAL = 10
 PING_TIMEOUT = 20
 SWEEP_STOP_SECONDS = 10
+TRANSITIONS_END_SECONDS = 10  # for store transitions still running when the server stops
 # Above the usual clients' own idle limit (httpx: 5 s), so the server is not the side that closes
 # an idle keep-alive connection just as the client sends a request on it.
 KEEP_ALIVE_SECONDS = 75
@@ -87,5 +90,8 @@ def finish_leftover_tasks(loop: asyncio.AbstractEventLoop) -> None:
     for task in tasks:
         task.cancel()
     loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+    # a store transition runs on even when its caller was cancelled: it must not be left asleep
+    # holding item locks that the store's threads would wait on for good
+    loop.run_until_complete(turn.transitions_ended(TRANSITIONS_END_SECONDS))
     loop.run_until_complete(loop.shutdown_asyncgens())
     loop.close()

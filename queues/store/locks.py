@@ -112,7 +112,16 @@ class Stripe:
                 return
             handed = Future()
             self._waiters.append((me, handed))
-        turn.wait_for(handed)  # release makes this one the holder before it settles `handed`
+        try:
+            turn.wait_for(handed)  # release makes this one the holder before it settles `handed`
+        except BaseException:
+            with self._guard:
+                queued = (me, handed) in self._waiters
+                if queued:
+                    self._waiters.remove((me, handed))
+            if not queued:  # it was handed over meanwhile: hand it on
+                self.release()
+            raise
 
     def release(self) -> None:
         with self._guard:

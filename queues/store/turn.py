@@ -6,7 +6,7 @@ Python's GIL back and forth with it at every file call, and waking a thread for 
 for a free core on a busy machine: each costs more than the flush. A directory's flush is the one
 wait transitions share (`shared`): a transition asking for it sleeps while the loop goes on with
 what else is ready, then one flush covers every transition that asked in that turn of the loop;
-while nobody else comes to share it, a lone caller's flush runs at once.
+after a gathering nobody else joined, the next few run at once (AT_ONCE_AFTER_ALONE).
 A wait for a lock of this process (`wait_for`) holds neither the loop nor a thread: the holder
 settles a future; one for another process's lock (`aside`) holds a thread of its own. So the loop
 stops while the disk flushes, as the flush's own caller would, and a disk that never answers
@@ -73,7 +73,7 @@ def shared(call: Callable[..., T], /, *args) -> T:
     once); from a thread, as `outside` (such a call shares among threads by itself)."""
     if isinstance(greenlet.getcurrent(), _OnLoop):
         hash((call, args))  # a TypeError here, in the transition, not on the loop
-        if _DiskWaits.of(asyncio.get_running_loop()).gathering():
+        if _OnThisLoop.of(asyncio.get_running_loop()).gathering():
             return _suspend((call, args))
         return call(*args)
     return _out_of_turn(call, *args)
@@ -96,6 +96,8 @@ def wait_for(future: Future) -> Any:
     the loop, sleeping while the loop goes on; from a thread, out of the turn."""
     if isinstance(greenlet.getcurrent(), _OnLoop):
         return _suspend(future)
+    if asyncio._get_running_loop() is not None:  # what it waits for may need this very loop
+        raise RuntimeError("a store call on the event loop's thread must run through on_loop")
     return _out_of_turn(future.result)
 
 
@@ -120,10 +122,23 @@ def _settle(outcome: Future, call: Callable, args: tuple) -> None:
 async def on_loop(call: Callable[..., T], /, **kwargs) -> T:
     """Run `call(**kwargs)` on the event loop; what it returns, or its error. Once started it runs
     to its end even if the caller is cancelled meanwhile (the loop, not the caller, drives it)."""
+    loop = asyncio.get_running_loop()
     transition = _OnLoop(partial(call, **kwargs))
-    transition.ended = asyncio.get_running_loop().create_future()
+    transition.ended = loop.create_future()
+    _OnThisLoop.of(loop).running.add(transition)
     _go_on(transition, transition.switch)
     return await transition.ended
+
+
+async def transitions_ended(timeout: float) -> bool:
+    """Wait until every transition started on this loop has ended, or `timeout` seconds: a
+    stopping server must not close its loop under one asleep holding locks. Whether all ended."""
+    loop = asyncio.get_running_loop()
+    running = _OnThisLoop.of(loop).running
+    deadline = loop.time() + timeout
+    while running and loop.time() < deadline:
+        await asyncio.sleep(0.01)
+    return not running
 
 
 def _go_on(transition: _OnLoop, resume: Callable, *args) -> None:
@@ -131,26 +146,30 @@ def _go_on(transition: _OnLoop, resume: Callable, *args) -> None:
     for, or a throw) to its next wait or its end. Only from the loop's own greenlet: a
     transition switched into from another would come back to this one when it next waits."""
     ended = transition.ended
+    on_this_loop = _OnThisLoop.of(ended.get_loop())
     try:
         asked = resume(*args)
     except StopIteration as error:  # an asyncio future refuses it
+        on_this_loop.running.discard(transition)
         failure = RuntimeError(f"a store call raised {error!r}")
         failure.__cause__ = error
         if not ended.cancelled():
             ended.set_exception(failure)
         return
     except BaseException as error:
+        on_this_loop.running.discard(transition)
         if not ended.cancelled():  # its caller is gone
             ended.set_exception(error)
         return
     if transition.dead:
+        on_this_loop.running.discard(transition)
         if not ended.cancelled():
             ended.set_result(asked)
     elif isinstance(asked, Future):
         asked.add_done_callback(partial(_settled, ended.get_loop(), transition))
     else:
         call, call_args = asked
-        _DiskWaits.of(ended.get_loop()).ask(call, call_args, transition)
+        on_this_loop.ask(call, call_args, transition)
 
 
 def _settled(loop: asyncio.AbstractEventLoop, transition: _OnLoop, future: Future) -> None:
@@ -170,18 +189,20 @@ def _go_on_from(transition: _OnLoop, future: Future) -> None:
         _go_on(transition, transition.switch, value)
 
 
-class _DiskWaits:
-    """The waits for the disk that transitions on one loop asked for in one turn of it."""
+class _OnThisLoop:
+    """The transitions on one loop: those running, and the shared waits they asked for in this
+    turn of it."""
 
-    _of: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _DiskWaits]" = weakref.WeakKeyDictionary()
+    _of: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _OnThisLoop]" = weakref.WeakKeyDictionary()
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
-        self.asked: dict[object, tuple[Callable, tuple, list[_OnLoop]]] = {}
+        self.running: set[_OnLoop] = set()
+        self.asked: dict[tuple[Callable, tuple], list[_OnLoop]] = {}
         self.at_once = 0  # shared waits to run at once before one is gathered again
 
     @classmethod
-    def of(cls, loop: asyncio.AbstractEventLoop) -> "_DiskWaits":
+    def of(cls, loop: asyncio.AbstractEventLoop) -> "_OnThisLoop":
         waits = cls._of.get(loop)
         if waits is None:
             waits = cls._of[loop] = cls(loop)
@@ -196,24 +217,30 @@ class _DiskWaits:
         return False
 
     def ask(self, call: Callable, args: tuple, transition: _OnLoop) -> None:
-        key = (call, args)
         if not self.asked:
             self.loop.call_soon(self.run)  # after what is ready to run now
-        self.asked.setdefault(key, (call, args, []))[2].append(transition)
+        self.asked.setdefault((call, args), []).append(transition)
 
     def run(self) -> None:
         asked, self.asked = self.asked, {}
-        alone = all(len(waiting) == 1 for _, _, waiting in asked.values())  # nobody shared a wait
+        alone = all(len(waiting) == 1 for waiting in asked.values())  # nobody shared a wait
         self.at_once = AT_ONCE_AFTER_ALONE if alone else 0
-        for call, args, waiting in asked.values():
+        for (call, args), waiting in asked.items():
             try:
                 value = call(*args)
             except BaseException as error:
                 for number, transition in enumerate(waiting):  # each its own error and traceback
-                    _go_on(transition, transition.throw, copy.copy(error) if number else error)
+                    _go_on(transition, transition.throw, _own_copy(error) if number else error)
             else:
                 for transition in waiting:
                     _go_on(transition, transition.switch, value)
+
+
+def _own_copy(error: BaseException) -> BaseException:
+    try:
+        return copy.copy(error)
+    except Exception:  # an error that cannot be copied is shared
+        return error
 
 
 def _suspend(waiting_on: object) -> Any:
