@@ -10,6 +10,7 @@ from concurrent.futures import Future
 
 import pytest
 
+from queues.exceptions import StorageUnavailable
 from queues.store import QueueConfig, Store, files, turn
 from queues.store.locks import QueueLocks, Stripe
 from lock_holder import item_locks_held_elsewhere
@@ -308,3 +309,20 @@ async def test_a_transition_waiting_for_another_process_lock_lets_the_loop_run_o
         assert len(posted) == 1 and not finishing.done()
         let_go()
         assert (await asyncio.wait_for(finishing, HANG_SECONDS)).accepted
+
+
+async def test_posts_whose_shared_directory_flush_fails_all_fail_and_none_is_left(tmp_path, faults):
+    """Posts gathered on one flush of pending/ that the disk fails: every one of them fails (none
+    would be answered 201), and none of their items is left in any state."""
+    store = Store(tmp_path / "data", fsync=True)
+    store.ensure_queue(Q)
+    pending = str(tmp_path / "data" / Q / "pending")
+    faults.fail(at=7, calls={"fsync"})  # each post flushes its own file, then pending/ once for all
+
+    posts = [turn.on_loop(post_batch, store=store, queue=Q, payloads=[n]) for n in range(6)]
+    outcomes = await asyncio.wait_for(asyncio.gather(*posts, return_exceptions=True), HANG_SECONDS)
+
+    assert faults.struck == [("fsync", pending)]
+    assert all(isinstance(outcome, StorageUnavailable) for outcome in outcomes), outcomes
+    counts = store.count_items(queue=Q)
+    assert (counts.pending, counts.processing, counts.finished, counts.failed) == (0, 0, 0, 0)

@@ -59,11 +59,17 @@ def taking(call: Callable[..., T], /, **kwargs) -> T:
 
 
 def outside(call: Callable[..., T], /, *args) -> T:
-    """Call `call(*args)`, a wait for the disk: from a transition on the loop, at once (the loop
-    waits); from a thread, out of the turn if this thread has it."""
-    if isinstance(greenlet.getcurrent(), _OnLoop):
+    """Call `call(*args)`, a wait for the disk, out of the turn if this thread has it (a
+    transition on the loop never does: there the loop waits)."""
+    if not getattr(_held, "turn", False):
         return call(*args)
-    return _out_of_turn(call, *args)
+    _held.turn = False
+    _turn.release()
+    try:
+        return call(*args)
+    finally:
+        _turn.acquire()
+        _held.turn = True
 
 
 def shared(call: Callable[..., T], /, *args) -> T:
@@ -76,19 +82,7 @@ def shared(call: Callable[..., T], /, *args) -> T:
         if _OnThisLoop.of(asyncio.get_running_loop()).gathering():
             return _suspend((call, args))
         return call(*args)
-    return _out_of_turn(call, *args)
-
-
-def _out_of_turn(call: Callable[..., T], /, *args) -> T:
-    if not getattr(_held, "turn", False):
-        return call(*args)
-    _held.turn = False
-    _turn.release()
-    try:
-        return call(*args)
-    finally:
-        _turn.acquire()
-        _held.turn = True
+    return outside(call, *args)
 
 
 def wait_for(future: Future) -> Any:
@@ -98,7 +92,7 @@ def wait_for(future: Future) -> Any:
         return _suspend(future)
     if asyncio._get_running_loop() is not None:  # what it waits for may need this very loop
         raise RuntimeError("a store call on the event loop's thread must run through on_loop")
-    return _out_of_turn(future.result)
+    return outside(future.result)
 
 
 def aside(call: Callable[..., T], /, *args) -> T:
@@ -106,7 +100,7 @@ def aside(call: Callable[..., T], /, *args) -> T:
     a transition on the loop, in a thread of its own while the loop goes on; from a thread, out
     of the turn."""
     if not isinstance(greenlet.getcurrent(), _OnLoop):
-        return _out_of_turn(call, *args)
+        return outside(call, *args)
     outcome: Future = Future()
     threading.Thread(target=_settle, args=(outcome, call, args), name="store-wait", daemon=True).start()
     return _suspend(outcome)
