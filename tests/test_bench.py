@@ -18,7 +18,7 @@ from queues.bench import peers
 from queues.bench.harness import QUICK, BadSettings, check, check_disk_space, expand
 from queues.bench.profiling import cpu_seconds
 from queues.bench.profiling import summary as profile_summary
-from queues.bench.report import ratios, summary
+from queues.bench.report import floors, ratios, summary
 from queues.bench.workload import threaded_posts
 from serverproc import MANAGE, PROJECT_DIR, Deployment
 
@@ -26,6 +26,7 @@ CLIENT = {"enqueuePerSecond", "endToEndPerSecond", "roundTripMs", "concurrentPro
           "keyed"}
 SERVER_ALONE = {"refusedPostsPerSecond", "singlePostsPerSecond", "batchPostItemsPerSecond", "endToEndInBatchesPerSecond", "roundTripMs", "bigQueue"}
 CLIENT_CPU = {"producerPostMs", "asyncProducerPostMs", "producerResultMs", "workerItemMs", "workerBatchedItemMs"}
+FLOORS = {"postMs", "postsPerSecond", "roundTripMs"}
 WORKLOAD = {"enqueuePerSecond", "endToEndPerSecond", "roundTripMs"}  # ours through the client, and each peer's
 PEER_EXTRA = ("celery", "rq", "redis")
 PEER_LABELS = {f"{peer} (redis {mode})" for peer in ("celery", "rq") for mode in ("in memory", "aof always")}
@@ -67,7 +68,9 @@ def test_quick_bench_reports_every_figure_for_both_fsync_modes(tmp_path):
     settings = report["settings"]
     assert settings["items"] == 500 and settings["pendingSizes"] == [10, 2000] and settings["producers"] == [1, 8]
     assert settings["fsync"] == ["on", "off"] and "peers" not in settings
-    assert set(report) == {"settings", "disk", "clientCpu", "taskhoster", "storeAlone", "ratios"}
+    assert set(report) == {"settings", "disk", "clientCpu", "taskhoster", "storeAlone", "ratios", "floors"}
+    assert set(report["floors"]) == {"fsync on"} and set(report["floors"]["fsync on"]) == FLOORS
+    assert_all_positive(report["floors"])
     assert_percentiles(report["disk"]["flushMs"], "p50", "p99")
     assert_percentiles(report["disk"]["createUs"], "p50", "p99")
     assert report["disk"]["createUs"]["p50"] > 0
@@ -112,6 +115,7 @@ def test_quick_bench_reports_every_figure_for_both_fsync_modes(tmp_path):
     assert "serve pid" in progress and "Producer.post" in progress  # progress goes to stderr
     assert "no fsync-on post is answered faster" in progress  # so does the summary
     assert "disk: making that file p50 " in progress
+    assert "floors, fsync on, this run: one producer's single post takes at least" in progress
     assert "1,000 scheduled items due in the same second, all pending in" in progress
     assert "a keyed post beside 2,000 keyed items: new key" in progress
     assert "with a key per item (without)" in progress
@@ -183,6 +187,26 @@ def test_ratios_set_our_concurrent_producers_against_theirs_per_thread_count():
     assert "rq (redis in memory), concurrent producers (threads, single posts): 1: 400/s" in "\n".join(lines)
     assert "vs rq (redis in memory): concurrent producers (threads) 1: 0.25x, 8: 3.00x" in "\n".join(lines)
     assert not any("users workload" in line for line in lines)  # no workload measured, no table of it
+
+
+def test_floors_add_the_disks_flush_a_trivial_request_and_the_clients_cpu():
+    figures = {"disk": {"flushMs": {"p50": 0.4, "p99": 0.6}},
+               "clientCpu": {"producerPostMs": 0.05, "asyncProducerPostMs": 0.08, "producerResultMs": 0.05,
+                             "workerItemMs": 0.15, "workerBatchedItemMs": 0.02},
+               "taskhoster": {"fsync on": {"serverAlone": {"refusedPostsPerSecond": 10_000.0}}},
+               "peers": {"celery (redis in memory)": {
+                   "concurrentProducers": {"1": {"postsPerSecond": 2000.0, "postMs": {"p50": 0.5, "p99": 1.0}}},
+                   "roundTripMs": {"p50": 1.5, "p95": 2.0, "p99": 3.0}}}}
+
+    found = floors(figures)
+    lines = "\n".join(summary({**figures, "floors": found}))
+
+    assert found["fsync on"]["postMs"] == pytest.approx(0.4 + 0.1 + 0.05)
+    assert found["fsync on"]["postsPerSecond"] == pytest.approx(1000 / 0.55)
+    assert found["fsync on"]["roundTripMs"] == pytest.approx(2 * (0.4 + 0.1) + 0.05 + 0.05)
+    assert "at most 1,818 posts/s" in lines
+    assert "to match celery (redis in memory): its 2,000 single posts/s from one thread leave 0.5 ms a post" in lines
+    assert floors({"disk": figures["disk"], "clientCpu": figures["clientCpu"]}) == {}  # no trivial request measured
 
 
 def skip_without_the_peers() -> None:

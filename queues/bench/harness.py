@@ -235,6 +235,9 @@ def run(settings: BenchSettings, say: Say) -> dict:
         if settings.peers:
             figures["peers"] = _peer_figures(settings, Path(root) / "peers", say)
     figures["ratios"] = report.ratios(figures)
+    floors = report.floors(figures)
+    if floors:
+        figures["floors"] = floors
     figures = _rounded(figures)
     for line in report.summary(figures):
         say(line)

@@ -66,6 +66,13 @@ The JSON line (one line on stdout; progress and a readable summary go to stderr)
       concurrentProducersOursOverTheirs {"N": ratio}     our posts/s with N threads over theirs
     batchesOverSingles."fsync on": {client, serverAlone}: items/s posted in batches over single
                posts of one producer, each against our own singles only (never a peer's)
+  floors."fsync on"  what this run's disk and server allow at best, with nothing else running
+               (needs disk, server-posts, and client-cpu for the client's part):
+      postMs               one producer's single post: the disk's flush (p50), a trivial request
+                           (1 / refusedPostsPerSecond) and Producer.post's own CPU
+      postsPerSecond       1000 / postMs: one producer posting one item at a time cannot pass it
+      roundTripMs          two flushes and two trivial requests (the post, and the result read
+                           back), with the client's CPU for both calls: no round trip is shorter
 """
 
 PEER_KEYS = ("enqueuePerSecond", "endToEndPerSecond")
@@ -95,6 +102,20 @@ def ratios(figures: dict) -> dict:
     if batches:
         found["batchesOverSingles"] = batches
     return found
+
+
+def floors(figures: dict) -> dict:
+    """The floors of KEYS: what the disk's flush and a trivial request through the server, both
+    from this run, leave possible at best for a post and a round trip, fsync on."""
+    flush = figures.get("disk", {}).get("flushMs", {}).get("p50")
+    refused = figures.get("taskhoster", {}).get("fsync on", {}).get("serverAlone", {}).get("refusedPostsPerSecond")
+    cpu = figures.get("clientCpu", {})
+    if not flush or not refused or "producerPostMs" not in cpu:
+        return {}
+    trivial = 1000 / refused
+    post = flush + trivial + cpu["producerPostMs"]
+    trip = 2 * (flush + trivial) + cpu["producerPostMs"] + cpu.get("producerResultMs", 0.0)
+    return {"fsync on": {"postMs": post, "postsPerSecond": 1000 / post, "roundTripMs": trip}}
 
 
 def _against(mine: dict, their: dict, keys: tuple[str, ...]) -> dict:
@@ -156,6 +177,34 @@ def summary(figures: dict) -> list[str]:
     lines += _scheduled_lines(figures.get("storeAlone", {}).get("scheduled"))
     lines += _keys_lines(figures.get("storeAlone", {}).get("keys"))
     lines += _ratio_lines(figures.get("ratios", {}))
+    lines += _floor_lines(figures)
+    return lines
+
+
+def _floor_lines(figures: dict) -> list[str]:
+    """The floors, and what matching each peer's single posts and round trip would need of them."""
+    floor = figures.get("floors", {}).get("fsync on")
+    if not floor:
+        return []
+    flush = figures["disk"]["flushMs"]["p50"]
+    trivial = 1000 / figures["taskhoster"]["fsync on"]["serverAlone"]["refusedPostsPerSecond"]
+    lines = [
+        f"floors, fsync on, this run: one producer's single post takes at least {floor['postMs']:.3g} ms (the disk's "
+        f"flush {flush:.3g} + a trivial request {trivial:.3g} + the client's CPU "
+        f"{figures['clientCpu']['producerPostMs']:.3g}), so at most {floor['postsPerSecond']:,.0f} posts/s; a round "
+        f"trip at least {floor['roundTripMs']:.3g} ms (two flushes and two trivial requests, and the client's CPU)"
+    ]
+    for peer, found in figures.get("peers", {}).items():
+        single = found.get("concurrentProducers", {}).get("1", {}).get("postsPerSecond")
+        trip = found.get("roundTripMs", {}).get("p50")
+        needs = []
+        if single:
+            needs.append(f"its {single:,.0f} single posts/s from one thread leave {1000 / single:.3g} ms a post "
+                         f"(the floor is {floor['postMs']:.3g})")
+        if trip:
+            needs.append(f"its round trip p50 {trip:.3g} ms (the floor is {floor['roundTripMs']:.3g})")
+        if needs:
+            lines.append(f"  to match {peer}: " + "; ".join(needs))
     return lines
 
 
