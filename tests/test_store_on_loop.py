@@ -45,26 +45,50 @@ async def test_a_transition_waiting_lets_the_loop_run_others():
     assert order == [("first on the loop's thread", True), "second", "first done"]
 
 
-async def test_a_wait_for_the_disk_runs_at_once_and_a_shared_one_once_for_all_in_a_turn():
-    """On the loop's own thread: a transition's own flush at once; a flush others may share (a
-    directory's) once every transition started in the same turn of the loop has asked for it,
-    once for all of them, each getting what it returned."""
+async def test_a_wait_for_the_disk_runs_at_once_and_one_made_together_once_for_all_in_a_turn():
+    """On the loop's own thread: a wait out of the turn at once; a wait made together (flushes)
+    once every transition started in the same turn of the loop has asked for it, one call for
+    all of them, each getting its own outcome."""
     calls = []
 
     def flush(name):
         calls.append((name, threading.current_thread() is threading.main_thread()))
         return f"{name} flushed"
 
+    def flush_together(names):
+        calls.append((tuple(names), threading.current_thread() is threading.main_thread()))
+        return [f"{name} flushed together" for name in names]
+
     def transition(name):
         calls.append(f"{name} asks")
-        return turn.outside(flush, name), turn.shared(flush, "directory")
+        return turn.outside(flush, name), turn.together(flush_together, f"{name}'s file")
 
     outcomes = await asyncio.wait_for(
         asyncio.gather(*(turn.on_loop(transition, name=n) for n in ("a", "b"))), HANG_SECONDS
     )
 
-    assert outcomes == [("a flushed", "directory flushed"), ("b flushed", "directory flushed")]
-    assert calls == ["a asks", ("a", True), "b asks", ("b", True), ("directory", True)]
+    assert outcomes == [("a flushed", "a's file flushed together"), ("b flushed", "b's file flushed together")]
+    assert calls == ["a asks", ("a", True), "b asks", ("b", True), (("a's file", "b's file"), True)]
+
+
+async def test_a_wait_made_together_answers_each_transition_with_its_own_outcome():
+    """One request's error fails its own transition only; a thread's request is called alone."""
+
+    def flush_together(names):
+        return [OSError(5, f"{name} failed") if name.startswith("bad") else f"{name} flushed" for name in names]
+
+    def transition(name):
+        return turn.together(flush_together, name)
+
+    outcomes = await asyncio.wait_for(asyncio.gather(
+        *(turn.on_loop(transition, name=n) for n in ("good", "bad", "fine")), return_exceptions=True
+    ), HANG_SECONDS)
+
+    assert outcomes[0] == "good flushed" and outcomes[2] == "fine flushed"
+    assert isinstance(outcomes[1], OSError) and str(outcomes[1]) == "[Errno 5] bad failed"
+    assert await asyncio.to_thread(transition, "alone") == "alone flushed"
+    with pytest.raises(OSError, match="bad alone failed"):
+        await asyncio.to_thread(transition, "bad alone")
 
 
 async def test_what_a_wait_raises_is_raised_inside_the_transition():
@@ -84,7 +108,7 @@ async def test_what_a_wait_raises_is_raised_inside_the_transition():
     with pytest.raises(OSError, match="the disk failed"):
         await turn.on_loop(transition, wait=lambda: turn.outside(failing_flush))
     with pytest.raises(OSError, match="the disk failed"):
-        await turn.on_loop(transition, wait=lambda: turn.shared(failing_flush))
+        await turn.on_loop(transition, wait=lambda: turn.together(lambda requests: failing_flush(), "a file"))
     with pytest.raises(OSError, match="the lock file failed"):
         await turn.on_loop(transition, wait=lambda: turn.wait_for(failed_lock))
     assert cleaned_up == [True, True, True]
@@ -212,19 +236,58 @@ async def test_posts_on_the_loop_at_once_share_one_directory_flush(tmp_path, mon
     for n in range(6, 9):  # one after another: a flush each
         await turn.on_loop(post_batch, store=store, queue=Q, payloads=[n])
     assert flushed.count(pending) == 4
-
     claimed = store.claim_items(config=QueueConfig(name=Q), max_items=20)
     assert sorted(item.payload for item in claimed) == list(range(9))
 
 
-async def test_after_a_shared_wait_nobody_else_asked_for_the_next_run_at_once_then_one_is_gathered():
+async def test_posts_on_the_loop_at_once_flush_their_files_together(tmp_path, monkeypatch):
+    store = Store(tmp_path / "data", fsync=True)
+    store.ensure_queue(Q)
+    calls = []
+    flush_files, start_writeback = files._flush_files, files._start_writeback
+
+    def watched_flush_files(requests):
+        calls.append(len(requests))
+        return flush_files(requests)
+
+    def watched_start_writeback(fd, path):
+        calls.append(("sent on its way", fd is not None))
+        start_writeback(fd, path)
+
+    monkeypatch.setattr(files, "_flush_files", watched_flush_files)
+    monkeypatch.setattr(files, "_start_writeback", watched_start_writeback)
+    posts = [turn.on_loop(post_batch, store=store, queue=Q, payloads=[n]) for n in range(6)]
+    await asyncio.wait_for(asyncio.gather(*posts), HANG_SECONDS)
+
+    assert calls == [6] + [("sent on its way", True)] * 6  # one call, each through its own descriptor
+    assert store.count_items(queue=Q).pending == 6
+
+
+async def test_of_posts_flushing_their_files_together_only_the_one_whose_file_fails_fails(tmp_path, faults):
+    store = Store(tmp_path / "data", fsync=True)
+    store.ensure_queue(Q)
+    faults.fail(at=2, calls={"fsync"})  # the second post's file
+
+    posts = [turn.on_loop(post_batch, store=store, queue=Q, payloads=[n]) for n in range(3)]
+    outcomes = await asyncio.wait_for(asyncio.gather(*posts, return_exceptions=True), HANG_SECONDS)
+
+    assert isinstance(outcomes[1], StorageUnavailable)
+    assert [item.payload for outcome in (outcomes[0], outcomes[2]) for item in outcome] == [0, 2]
+    assert sorted(item.payload for item in store.claim_items(config=QueueConfig(name=Q), max_items=10)) == [0, 2]
+
+
+async def test_after_a_wait_nobody_else_joined_the_next_run_at_once_then_one_is_gathered():
     """Gathering costs a lone caller a turn of the loop: after a gathering nobody joined, the
-    next AT_ONCE_AFTER_ALONE shared waits run at once (two transitions together flush twice),
-    then one is gathered again and others share it."""
+    next AT_ONCE_AFTER_ALONE waits made together run at once (two transitions flush twice),
+    then one is gathered again and others join it."""
     flushes = []
 
+    def flush(requests):
+        flushes.append(requests)
+        return [None] * len(requests)
+
     def transition():
-        turn.shared(flushes.append, "directory")
+        turn.together(flush, "directory")
 
     await turn.on_loop(transition)  # gathered, alone
     assert len(flushes) == 1
@@ -246,15 +309,15 @@ async def test_a_wait_on_the_loops_thread_outside_a_transition_is_refused_not_a_
     assert stripe._waiters == deque()  # its wait was taken back
 
 
-async def test_a_shared_flush_that_fails_fails_every_transition_that_asked_each_with_its_own_error():
+async def test_a_flush_made_together_that_fails_fails_every_transition_that_asked_each_with_its_own_error():
     flushes = []
 
-    def failing_flush():
+    def failing_flush(requests):
         flushes.append(1)
         raise OSError(5, "the disk failed")
 
     def transition():
-        turn.shared(failing_flush)
+        turn.together(failing_flush, "directory")
 
     outcomes = await asyncio.wait_for(
         asyncio.gather(*(turn.on_loop(transition) for _ in range(3)), return_exceptions=True), HANG_SECONDS

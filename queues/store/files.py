@@ -6,9 +6,11 @@
   (tmp/), where the next file made takes it over instead of a new one. Ext4 without a journal
   does not reuse an inode removed in the last minutes: making a file scans past every such
   inode, so a store that removes a file for each it makes pays more per file the faster it goes.
-- Files and directories reach the disk through `flush_files` and `flush_directory`. Concurrent
-  callers share a directory's flush (group commit): each waits for the first flush of the
-  directory that starts after it asked, and one of them runs it for all.
+- Files and directories reach the disk through `flush_files` (or `flush_open`) and
+  `flush_directory`, made together with the other transitions on the event loop that ask in the
+  same turn of it (group commit, turn.together): every file sent on its way before any is waited
+  for, each directory flushed once. Threads share a directory's flush too: each waits for the
+  first flush of the directory that starts after it asked, and one of them runs it for all.
 - A directory that is missing where a file is made, moved or linked is made again (0700).
 - Everything made is readable and writable by the server's user only (files 0600, directories
   0700), whatever the umask.
@@ -327,22 +329,43 @@ def remove_quietly(path: str) -> None:
 
 
 def flush_files(paths: list[str]) -> None:
-    """Flush files to disk. Several are all sent on their way first, then each is waited for."""
-    # one wait out of the turn for the whole batch: taking the turn back after each file made a
-    # batch wait for it once a file
-    turn.outside(_flush_files, paths)
+    """Flush files to disk: several (with those other transitions on the loop ask for in the
+    same turn, see turn.together) are all sent on their way first, then each is waited for."""
+    turn.together(_flush_files, [(None, path) for path in paths])
 
 
-def _flush_files(paths: list[str]) -> None:
-    if len(paths) > 1 and _START_WRITEBACK:
-        for path in paths:
-            _start_writeback(path)
-    for path in paths:
-        _fsync(path)
+def flush_open(fd: int, path: str) -> None:
+    """Flush a file through a descriptor opened before it was moved (`path`: where it is now)."""
+    turn.together(_flush_files, [(fd, path)])
 
 
-def _start_writeback(path: str) -> None:
+def _flush_files(requests: list[list[tuple[int | None, str]]]) -> list[BaseException | None]:
+    """Flush the files of every request (each file its descriptor, or None to open it by its
+    path), all sent on their way before any is waited for. Each request's outcome: None, or
+    what its first failing file raised (its other files are not waited for)."""
+    outcomes: list[BaseException | None] = [None] * len(requests)
+    if sum(len(request) for request in requests) > 1 and _START_WRITEBACK:
+        for number, request in enumerate(requests):
+            try:
+                for fd, path in request:
+                    _start_writeback(fd, path)
+            except BaseException as error:
+                outcomes[number] = error
+    for number, request in enumerate(requests):
+        if outcomes[number] is None:
+            try:
+                for fd, path in request:
+                    _flush_file(fd, path)
+            except BaseException as error:
+                outcomes[number] = error
+    return outcomes
+
+
+def _start_writeback(fd: int | None, path: str) -> None:
     """Start writing the file out, without waiting (pages being written stay cached)."""
+    if fd is not None:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        return
     fd = _open_to_read(path)
     try:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
@@ -355,14 +378,16 @@ def _open_to_read(path: str) -> int:
     return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
 
 
-def flush_open(fd: int, path: str) -> None:
-    """Flush a file through a descriptor opened before it was moved (`path`: where it is now)."""
-    _before("fsync", path)
-    turn.outside(os.fsync, fd)
+def _flush_file(fd: int | None, path: str) -> None:
+    if fd is None:
+        _fsync(path)
+    else:
+        _before("fsync", path)
+        os.fsync(fd)
 
 
 def _fsync(path: str) -> None:
-    """Flush one file; its callers (a batch, a directory) are already out of the turn."""
+    """Flush one file or directory, by its path."""
     fd = _open_to_read(path)
     try:
         _before("fsync", path)
@@ -373,8 +398,20 @@ def _fsync(path: str) -> None:
 
 def flush_directory(path: str) -> None:
     """Flush a directory's entries to disk, sharing the flush with concurrent callers."""
-    # whole, out of the turn: the turn is never waited for holding the flush's lock
-    turn.shared(_DirectoryFlush.of(path).flush)
+    turn.together(_flush_directories, path)
+
+
+def _flush_directories(paths: list[str]) -> list[BaseException | None]:
+    """Each directory named flushed once (a thread's flush of it shares too), whole, out of the
+    turn: the turn is never waited for holding a flush's lock. Each request's outcome."""
+    outcomes: dict[str, BaseException | None] = {}
+    for path in dict.fromkeys(paths):
+        try:
+            _DirectoryFlush.of(path).flush()
+            outcomes[path] = None
+        except BaseException as error:
+            outcomes[path] = error
+    return [outcomes[path] for path in paths]
 
 
 class _DirectoryFlush:

@@ -1,12 +1,13 @@
 """Where a transition runs, and where its waits go.
 
 On the event loop (`on_loop`): a transition runs in a greenlet of the loop's thread, and makes
-its file calls and flushes its own files there too. A thread working beside the loop would hand
-Python's GIL back and forth with it at every file call, and waking a thread for each flush waits
-for a free core on a busy machine: each costs more than the flush. A directory's flush is the one
-wait transitions share (`shared`): a transition asking for it sleeps while the loop goes on with
-what else is ready, then one flush covers every transition that asked in that turn of the loop;
-after a gathering nobody else joined, the next few run at once (AT_ONCE_AFTER_ALONE).
+its file calls and flushes there too. A thread working beside the loop would hand Python's GIL
+back and forth with it at every file call, and waking a thread for each flush waits for a free
+core on a busy machine: each costs more than the flush. Flushes are the waits transitions make
+together (`together`): a transition asking for one sleeps while the loop goes on with what else
+is ready, then one call flushes what every transition asked in that turn of the loop (files all
+sent on their way before each is waited for, a directory once); after a gathering nobody else
+joined, the next few run at once (AT_ONCE_AFTER_ALONE).
 A wait for a lock of this process (`wait_for`) holds neither the loop nor a thread: the holder
 settles a future; one for another process's lock (`aside`) holds a thread of its own. So the loop
 stops while the disk flushes, as the flush's own caller would, and a disk that never answers
@@ -72,17 +73,24 @@ def outside(call: Callable[..., T], /, *args) -> T:
         _held.turn = True
 
 
-def shared(call: Callable[..., T], /, *args) -> T:
-    """Call `call(*args)`, a wait for the disk that others may share (a directory's flush; `call`
-    and `args` hashable): from a transition on the loop, once for every transition that asked
-    for it in the same turn of the loop, after them, while others have been coming (else at
-    once); from a thread, as `outside` (such a call shares among threads by itself)."""
+def together(call: Callable[[list], list], request: object) -> Any:
+    """What `call` answers to `request`, a wait for the disk others may join (flushes of files
+    and directories). `call` takes a list of requests and returns one outcome for each, in
+    order: a value, or an exception to raise. From a transition on the loop, `call` runs once
+    for every transition that asked it in the same turn of the loop, after them, while others
+    have been coming (else at once); from a thread, out of the turn, for this request alone."""
     if isinstance(greenlet.getcurrent(), _OnLoop):
-        hash((call, args))  # a TypeError here, in the transition, not on the loop
-        if _OnThisLoop.of(asyncio.get_running_loop()).gathering():
-            return _suspend((call, args))
-        return call(*args)
-    return outside(call, *args)
+        on_this_loop = _OnThisLoop.of(asyncio.get_running_loop())
+        if on_this_loop.gathering():
+            return _suspend((call, request))
+        return _outcome(call([request])[0])
+    return _outcome(outside(call, [request])[0])
+
+
+def _outcome(outcome: object) -> Any:
+    if isinstance(outcome, BaseException):
+        raise outcome
+    return outcome
 
 
 def wait_for(future: Future) -> Any:
@@ -162,8 +170,8 @@ def _go_on(transition: _OnLoop, resume: Callable, *args) -> None:
     elif isinstance(asked, Future):
         asked.add_done_callback(partial(_settled, ended.get_loop(), transition))
     else:
-        call, call_args = asked
-        on_this_loop.ask(call, call_args, transition)
+        call, request = asked
+        on_this_loop.ask(call, request, transition)
 
 
 def _settled(loop: asyncio.AbstractEventLoop, transition: _OnLoop, future: Future) -> None:
@@ -184,16 +192,16 @@ def _go_on_from(transition: _OnLoop, future: Future) -> None:
 
 
 class _OnThisLoop:
-    """The transitions on one loop: those running, and the shared waits they asked for in this
-    turn of it."""
+    """The transitions on one loop: those running, and the waits they asked to make together in
+    this turn of it."""
 
     _of: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _OnThisLoop]" = weakref.WeakKeyDictionary()
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
         self.running: set[_OnLoop] = set()
-        self.asked: dict[tuple[Callable, tuple], list[_OnLoop]] = {}
-        self.at_once = 0  # shared waits to run at once before one is gathered again
+        self.asked: dict[Callable, list[tuple[object, _OnLoop]]] = {}  # call -> its requests
+        self.at_once = 0  # waits to run at once before one is gathered again
 
     @classmethod
     def of(cls, loop: asyncio.AbstractEventLoop) -> "_OnThisLoop":
@@ -203,31 +211,35 @@ class _OnThisLoop:
         return waits
 
     def gathering(self) -> bool:
-        """Whether a shared wait asked now waits for this turn's others: while some are gathered
+        """Whether a wait asked now waits for this turn's others: while some are gathered
         already, or others came to the last gathering, or it is time to look again."""
         if self.asked or not self.at_once:
             return True
         self.at_once -= 1
         return False
 
-    def ask(self, call: Callable, args: tuple, transition: _OnLoop) -> None:
+    def ask(self, call: Callable, request: object, transition: _OnLoop) -> None:
         if not self.asked:
             self.loop.call_soon(self.run)  # after what is ready to run now
-        self.asked.setdefault((call, args), []).append(transition)
+        self.asked.setdefault(call, []).append((request, transition))
 
     def run(self) -> None:
         asked, self.asked = self.asked, {}
-        alone = all(len(waiting) == 1 for waiting in asked.values())  # nobody shared a wait
+        alone = all(len(requests) == 1 for requests in asked.values())  # nobody joined a wait
         self.at_once = AT_ONCE_AFTER_ALONE if alone else 0
-        for (call, args), waiting in asked.items():
+        for call, requests in asked.items():
             try:
-                value = call(*args)
+                outcomes = call([request for request, _ in requests])
             except BaseException as error:
-                for number, transition in enumerate(waiting):  # each its own error and traceback
-                    _go_on(transition, transition.throw, _own_copy(error) if number else error)
-            else:
-                for transition in waiting:
-                    _go_on(transition, transition.switch, value)
+                outcomes = [error] * len(requests)
+            given: set[int] = set()  # errors given already: the others get their own copies
+            for outcome, (_, transition) in zip(outcomes, requests):
+                if isinstance(outcome, BaseException):
+                    error = _own_copy(outcome) if id(outcome) in given else outcome
+                    given.add(id(outcome))
+                    _go_on(transition, transition.throw, error)
+                else:
+                    _go_on(transition, transition.switch, outcome)
 
 
 def _own_copy(error: BaseException) -> BaseException:
