@@ -30,7 +30,6 @@ log = logging.getLogger(__name__)
 STORE_THREADS = 2  # one runs while the other waits for the disk; more would only queue for the turn
 SCAN_THREADS = 2
 ITEMS_ON_LOOP = 8  # items a call may have to run on the event loop
-CLAIMS_ON_LOOP = ITEMS_ON_LOOP  # items a claim takes on the loop before it goes on in the store's threads
 ITEM_LISTS = ("items", "results", "releases")  # the arguments that hold a call's items
 SCANS = frozenset(
     {"count_items", "list_items", "throughput", "check_health", "sweep_queue", "take_snapshot", "count_queues"}
@@ -97,8 +96,8 @@ def _in_store_thread(call, /, **kwargs) -> Awaitable:
 async def _claim(claim_items, /, *, max_items: int = 1, **kwargs) -> list:
     """A claim's first items on the loop, the rest (if it found all it took there) in the store's
     threads; a failure there ends the claim with what it had, as within one claim."""
-    first = await turn.on_loop(claim_items, max_items=min(max_items, CLAIMS_ON_LOOP), **kwargs)
-    if len(first) < CLAIMS_ON_LOOP or max_items <= CLAIMS_ON_LOOP:
+    first = await turn.on_loop(claim_items, max_items=min(max_items, ITEMS_ON_LOOP), **kwargs)
+    if len(first) < ITEMS_ON_LOOP or max_items <= ITEMS_ON_LOOP:
         return first
     try:
         return first + await _in_store_thread(claim_items, max_items=max_items - len(first), **kwargs)

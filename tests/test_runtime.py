@@ -41,7 +41,7 @@ async def test_a_big_claim_is_one_claim_of_the_oldest_items(tmp_path):
 
     assert [item.payload for item in claimed] == list(range(20))
     assert len({item.claim_token for item in claimed}) == 20
-    assert where == [(True, runtime.CLAIMS_ON_LOOP), (False, 20 - runtime.CLAIMS_ON_LOOP)]
+    assert where == [(True, runtime.ITEMS_ON_LOOP), (False, 20 - runtime.ITEMS_ON_LOOP)]
 
 
 async def test_a_claim_that_finds_few_items_never_leaves_the_loop(tmp_path):
@@ -49,15 +49,15 @@ async def test_a_claim_that_finds_few_items_never_leaves_the_loop(tmp_path):
 
     claimed = await run(claim_items, config=QueueConfig(name=Q), max_items=100)
 
-    assert len(claimed) == 3 and where == [(True, runtime.CLAIMS_ON_LOOP)]
+    assert len(claimed) == 3 and where == [(True, runtime.ITEMS_ON_LOOP)]
 
 
 async def test_a_claim_of_no_more_than_the_loop_takes_never_leaves_it(tmp_path):
     claim_items, where = _watched_claims(_store_with_items(tmp_path, 30))
 
-    claimed = await run(claim_items, config=QueueConfig(name=Q), max_items=runtime.CLAIMS_ON_LOOP)
+    claimed = await run(claim_items, config=QueueConfig(name=Q), max_items=runtime.ITEMS_ON_LOOP)
 
-    assert len(claimed) == runtime.CLAIMS_ON_LOOP and where == [(True, runtime.CLAIMS_ON_LOOP)]
+    assert len(claimed) == runtime.ITEMS_ON_LOOP and where == [(True, runtime.ITEMS_ON_LOOP)]
 
 
 async def test_a_claim_that_fails_after_its_first_items_ends_with_them(tmp_path):
@@ -73,8 +73,8 @@ async def test_a_claim_that_fails_after_its_first_items_ends_with_them(tmp_path)
 
     claimed = await run(claim_items, config=QueueConfig(name=Q), max_items=20)
 
-    assert [item.payload for item in claimed] == list(range(runtime.CLAIMS_ON_LOOP))
-    assert store.count_items(queue=Q).processing == runtime.CLAIMS_ON_LOOP
+    assert [item.payload for item in claimed] == list(range(runtime.ITEMS_ON_LOOP))
+    assert store.count_items(queue=Q).processing == runtime.ITEMS_ON_LOOP
 
 
 async def test_a_claim_that_fails_at_once_raises(tmp_path):
