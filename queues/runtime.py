@@ -2,8 +2,8 @@
 
 Async code calls the store through `run`, and only here is it decided where each call runs:
 - transitions of a few items on the event loop, flushes included (see store.turn): while one
-  waits for a lock or for a directory's flush the loop goes on, and concurrent posts and results
-  share their directories' flushes (see store.files);
+  waits for a lock or for a flush the loop goes on, and concurrent posts and results flush their
+  files and directories together (see store.files);
 - bigger ones in the store's threads, taking turns, so a batch of many files never keeps the loop
   from its sockets: a claim takes its first few items on the loop and any more there;
 - calls that may read whole directories (counts, listings, health, sweeps) in threads of their

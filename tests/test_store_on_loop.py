@@ -8,6 +8,7 @@ import threading
 from collections import deque
 from concurrent.futures import Future
 
+import greenlet
 import pytest
 
 from queues.exceptions import StorageUnavailable
@@ -254,23 +255,48 @@ async def test_posts_on_the_loop_at_once_flush_their_files_together(tmp_path, mo
         calls.append(("sent on its way", fd is not None))
         start_writeback(fd, path)
 
+    def watched_flush_file(fd, path):
+        calls.append(("flushed", fd is not None))
+        flush_file(fd, path)
+
+    flush_file = files._flush_file
     monkeypatch.setattr(files, "_flush_files", watched_flush_files)
     monkeypatch.setattr(files, "_start_writeback", watched_start_writeback)
+    monkeypatch.setattr(files, "_flush_file", watched_flush_file)
     posts = [turn.on_loop(post_batch, store=store, queue=Q, payloads=[n]) for n in range(6)]
     await asyncio.wait_for(asyncio.gather(*posts), HANG_SECONDS)
 
-    assert calls == [6] + [("sent on its way", True)] * 6  # one call, each through its own descriptor
+    # one call, each file sent on its way through its own descriptor, then each flushed
+    assert calls == [6] + [("sent on its way", True)] * 6 + [("flushed", True)] * 6
     assert store.count_items(queue=Q).pending == 6
 
 
-async def test_of_posts_flushing_their_files_together_only_the_one_whose_file_fails_fails(tmp_path, faults):
+async def test_of_posts_flushing_their_files_together_only_the_one_whose_file_fails_fails(tmp_path, faults, monkeypatch):
     store = Store(tmp_path / "data", fsync=True)
     store.ensure_queue(Q)
+    pending = tmp_path / "data" / Q / "pending"
     faults.fail(at=2, calls={"fsync"})  # the second post's file
+    together, flushed = [], []
+    flush_files, flush_file = files._flush_files, files._flush_file
 
+    def watched_flush_files(requests):
+        together.append(len(requests))
+        return flush_files(requests)
+
+    def watched_flush_file(fd, path):
+        flush_file(fd, path)
+        flushed.append(path)
+
+    monkeypatch.setattr(files, "_flush_files", watched_flush_files)
+    monkeypatch.setattr(files, "_flush_file", watched_flush_file)
     posts = [turn.on_loop(post_batch, store=store, queue=Q, payloads=[n]) for n in range(3)]
     outcomes = await asyncio.wait_for(asyncio.gather(*posts, return_exceptions=True), HANG_SECONDS)
 
+    assert together == [3]  # the three in one call: the failure was the second's alone
+    (struck_call, struck_path), = faults.struck
+    assert struck_call == "fsync" and struck_path.startswith(str(pending)) and struck_path not in flushed
+    assert [path.rsplit("/", 1)[1] for path in flushed] == [
+        f"{item.id}.json" for outcome in (outcomes[0], outcomes[2]) for item in outcome]  # the others flushed
     assert isinstance(outcomes[1], StorageUnavailable)
     assert [item.payload for outcome in (outcomes[0], outcomes[2]) for item in outcome] == [0, 2]
     assert sorted(item.payload for item in store.claim_items(config=QueueConfig(name=Q), max_items=10)) == [0, 2]
@@ -307,6 +333,48 @@ async def test_a_wait_on_the_loops_thread_outside_a_transition_is_refused_not_a_
     with pytest.raises(RuntimeError, match="on_loop"):
         stripe.take()
     assert stripe._waiters == deque()  # its wait was taken back
+
+
+async def test_a_call_that_answers_too_few_requests_fails_each_transition_and_leaves_none_asleep():
+    def answers_one(requests):
+        return ["one"]
+
+    def answers_each(requests):
+        return [f"{request} done" for request in requests]
+
+    def transition(call, request):
+        return turn.together(call, request)
+
+    outcomes = await asyncio.wait_for(asyncio.gather(
+        turn.on_loop(transition, call=answers_one, request="a"), turn.on_loop(transition, call=answers_one, request="b"),
+        turn.on_loop(transition, call=answers_each, request="c"), return_exceptions=True,
+    ), HANG_SECONDS)
+
+    assert [type(outcome) for outcome in outcomes[:2]] == [RuntimeError, RuntimeError]
+    assert "answered 1 of 2 requests" in str(outcomes[0])
+    assert outcomes[2] == "c done"  # another call of the same turn is answered all the same
+
+
+async def test_flushes_of_two_directories_in_one_turn_count_as_nobody_joining(tmp_path, monkeypatch):
+    """Each directory is a gathering of its own: two transitions flushing different directories
+    share nothing, so the flushes after them run at once, inside their transitions."""
+    pending, done = tmp_path / "pending", tmp_path / "done"
+    pending.mkdir()
+    done.mkdir()
+    at_once = []
+    flush = files._DirectoryFlush.flush
+
+    def watched_flush(self):
+        at_once.append((self.path, isinstance(greenlet.getcurrent(), turn._OnLoop)))
+        flush(self)
+
+    monkeypatch.setattr(files._DirectoryFlush, "flush", watched_flush)
+    await asyncio.wait_for(asyncio.gather(
+        turn.on_loop(files.flush_directory, path=str(pending)), turn.on_loop(files.flush_directory, path=str(done)),
+    ), HANG_SECONDS)
+    await turn.on_loop(files.flush_directory, path=str(pending))
+
+    assert at_once == [(str(pending), False), (str(done), False), (str(pending), True)]  # gathered, then at once
 
 
 async def test_a_flush_made_together_that_fails_fails_every_transition_that_asked_each_with_its_own_error():

@@ -66,13 +66,15 @@ The JSON line (one line on stdout; progress and a readable summary go to stderr)
       concurrentProducersOursOverTheirs {"N": ratio}     our posts/s with N threads over theirs
     batchesOverSingles."fsync on": {client, serverAlone}: items/s posted in batches over single
                posts of one producer, each against our own singles only (never a peer's)
-  floors."fsync on"  what this run's disk and server allow at best, with nothing else running
-               (needs disk, server-posts, and client-cpu for the client's part):
-      postMs               one producer's single post: the disk's flush (p50), a trivial request
-                           (1 / refusedPostsPerSecond) and Producer.post's own CPU
-      postsPerSecond       1000 / postMs: one producer posting one item at a time cannot pass it
-      roundTripMs          two flushes and two trivial requests (the post, and the result read
-                           back), with the client's CPU for both calls: no round trip is shorter
+  floors."fsync on"  about what this run's disk and server allow at best, with nothing else
+               running (needs disk and server-posts):
+      flushMs, trivialRequestMs  the disk's flush (disk.flushMs p50), and a trivial request
+                           through the server from the lean client (1 / refusedPostsPerSecond)
+      postMs               one producer's single post: the two together, as the post must wait
+                           for its flush and make a request (our Producer's own CPU not added)
+      postsPerSecond       1000 / postMs: one producer posting one item at a time, about the most
+      roundTripMs          two of each (the post's flush and the result's; the post, and the
+                           read of the result)
 """
 
 PEER_KEYS = ("enqueuePerSecond", "endToEndPerSecond")
@@ -105,17 +107,16 @@ def ratios(figures: dict) -> dict:
 
 
 def floors(figures: dict) -> dict:
-    """The floors of KEYS: what the disk's flush and a trivial request through the server, both
-    from this run, leave possible at best for a post and a round trip, fsync on."""
+    """The floors of KEYS: about what the disk's flush and a trivial request through the server,
+    both from this run, leave possible at best for a post and a round trip, fsync on."""
     flush = figures.get("disk", {}).get("flushMs", {}).get("p50")
     refused = figures.get("taskhoster", {}).get("fsync on", {}).get("serverAlone", {}).get("refusedPostsPerSecond")
-    cpu = figures.get("clientCpu", {})
-    if not flush or not refused or "producerPostMs" not in cpu:
+    if not flush or not refused:
         return {}
     trivial = 1000 / refused
-    post = flush + trivial + cpu["producerPostMs"]
-    trip = 2 * (flush + trivial) + cpu["producerPostMs"] + cpu.get("producerResultMs", 0.0)
-    return {"fsync on": {"postMs": post, "postsPerSecond": 1000 / post, "roundTripMs": trip}}
+    post = flush + trivial
+    return {"fsync on": {"flushMs": flush, "trivialRequestMs": trivial, "postMs": post,
+                         "postsPerSecond": 1000 / post, "roundTripMs": 2 * post}}
 
 
 def _against(mine: dict, their: dict, keys: tuple[str, ...]) -> dict:
@@ -186,13 +187,10 @@ def _floor_lines(figures: dict) -> list[str]:
     floor = figures.get("floors", {}).get("fsync on")
     if not floor:
         return []
-    flush = figures["disk"]["flushMs"]["p50"]
-    trivial = 1000 / figures["taskhoster"]["fsync on"]["serverAlone"]["refusedPostsPerSecond"]
     lines = [
-        f"floors, fsync on, this run: one producer's single post takes at least {floor['postMs']:.3g} ms (the disk's "
-        f"flush {flush:.3g} + a trivial request {trivial:.3g} + the client's CPU "
-        f"{figures['clientCpu']['producerPostMs']:.3g}), so at most {floor['postsPerSecond']:,.0f} posts/s; a round "
-        f"trip at least {floor['roundTripMs']:.3g} ms (two flushes and two trivial requests, and the client's CPU)"
+        f"floors, fsync on, this run: one producer's single post needs about {floor['postMs']:.3g} ms at best (the "
+        f"disk's flush {floor['flushMs']:.3g} + a trivial request {floor['trivialRequestMs']:.3g}), so about "
+        f"{floor['postsPerSecond']:,.0f} posts/s at most; a round trip about {floor['roundTripMs']:.3g} ms (two of each)"
     ]
     for peer, found in figures.get("peers", {}).items():
         single = found.get("concurrentProducers", {}).get("1", {}).get("postsPerSecond")

@@ -335,7 +335,8 @@ def flush_files(paths: list[str]) -> None:
 
 
 def flush_open(fd: int, path: str) -> None:
-    """Flush a file through a descriptor opened before it was moved (`path`: where it is now)."""
+    """Flush a file through a descriptor opened before it was moved (`path`: where it is now);
+    the descriptor stays open until this returns, and the flush is done by then."""
     turn.together(_flush_files, [(fd, path)])
 
 
@@ -343,34 +344,36 @@ def _flush_files(requests: list[list[tuple[int | None, str]]]) -> list[BaseExcep
     """Flush the files of every request (each file its descriptor, or None to open it by its
     path), all sent on their way before any is waited for. Each request's outcome: None, or
     what its first failing file raised (its other files are not waited for)."""
-    outcomes: list[BaseException | None] = [None] * len(requests)
     if sum(len(request) for request in requests) > 1 and _START_WRITEBACK:
-        for number, request in enumerate(requests):
-            try:
-                for fd, path in request:
-                    _start_writeback(fd, path)
-            except BaseException as error:
-                outcomes[number] = error
-    for number, request in enumerate(requests):
-        if outcomes[number] is None:
-            try:
-                for fd, path in request:
-                    _flush_file(fd, path)
-            except BaseException as error:
-                outcomes[number] = error
+        for request in requests:
+            for fd, path in request:
+                _start_writeback(fd, path)
+    outcomes: list[BaseException | None] = []
+    for request in requests:
+        try:
+            for fd, path in request:
+                _flush_file(fd, path)
+        except BaseException as error:
+            outcomes.append(error)
+        else:
+            outcomes.append(None)
     return outcomes
 
 
 def _start_writeback(fd: int | None, path: str) -> None:
-    """Start writing the file out, without waiting (pages being written stay cached)."""
-    if fd is not None:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        return
-    fd = _open_to_read(path)
+    """Start writing the file out, without waiting (pages being written stay cached). Only a
+    hint: if it fails, the file's own flush after it says whether the file reached the disk."""
     try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+        if fd is not None:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            return
+        fd = _open_to_read(path)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
 
 
 def _open_to_read(path: str) -> int:
@@ -379,6 +382,7 @@ def _open_to_read(path: str) -> int:
 
 
 def _flush_file(fd: int | None, path: str) -> None:
+    """Flush one file through its descriptor, or None to open it by its path."""
     if fd is None:
         _fsync(path)
     else:
@@ -398,20 +402,8 @@ def _fsync(path: str) -> None:
 
 def flush_directory(path: str) -> None:
     """Flush a directory's entries to disk, sharing the flush with concurrent callers."""
-    turn.together(_flush_directories, path)
-
-
-def _flush_directories(paths: list[str]) -> list[BaseException | None]:
-    """Each directory named flushed once (a thread's flush of it shares too), whole, out of the
-    turn: the turn is never waited for holding a flush's lock. Each request's outcome."""
-    outcomes: dict[str, BaseException | None] = {}
-    for path in dict.fromkeys(paths):
-        try:
-            _DirectoryFlush.of(path).flush()
-            outcomes[path] = None
-        except BaseException as error:
-            outcomes[path] = error
-    return [outcomes[path] for path in paths]
+    # whole, out of the turn: the turn is never waited for holding the flush's lock
+    turn.together(_DirectoryFlush.of(path).flush_for, path)
 
 
 class _DirectoryFlush:
@@ -450,6 +442,14 @@ class _DirectoryFlush:
         with cls._known_lock:
             for path in [p for p in cls._known if p.startswith(prefix)]:
                 del cls._known[path]
+
+    def flush_for(self, callers: list) -> list[OSError | None]:
+        """One flush for all `callers` (transitions that asked together): each one's outcome."""
+        try:
+            self.flush()
+        except OSError as error:
+            return [error] * len(callers)
+        return [None] * len(callers)
 
     def flush(self) -> None:
         with self._lock:

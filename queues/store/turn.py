@@ -35,7 +35,7 @@ import greenlet
 
 T = TypeVar("T")
 
-# after a shared wait that nobody else asked for, the next ones run at once (gathering costs the
+# after a gathering of waits that nobody joined, the next ones run at once (gathering costs the
 # lone caller a turn of the loop) until one is gathered again, to see whether others come now
 AT_ONCE_AFTER_ALONE = 8
 
@@ -77,8 +77,10 @@ def together(call: Callable[[list], list], request: object) -> Any:
     """What `call` answers to `request`, a wait for the disk others may join (flushes of files
     and directories). `call` takes a list of requests and returns one outcome for each, in
     order: a value, or an exception to raise. From a transition on the loop, `call` runs once
-    for every transition that asked it in the same turn of the loop, after them, while others
-    have been coming (else at once); from a thread, out of the turn, for this request alone."""
+    for every transition that asked it (the same `call`: equal bound methods are one) in the
+    same turn of the loop, after them, while others have been coming (else at once); from a
+    thread, out of the turn, for this request alone. Either way `call` has returned before any
+    transition that asked goes on, so what a request holds (a file's descriptor) stays open."""
     if isinstance(greenlet.getcurrent(), _OnLoop):
         on_this_loop = _OnThisLoop.of(asyncio.get_running_loop())
         if on_this_loop.gathering():
@@ -229,7 +231,9 @@ class _OnThisLoop:
         self.at_once = AT_ONCE_AFTER_ALONE if alone else 0
         for call, requests in asked.items():
             try:
-                outcomes = call([request for request, _ in requests])
+                outcomes = list(call([request for request, _ in requests]))
+                if len(outcomes) != len(requests):  # a transition left without one would sleep for good
+                    raise RuntimeError(f"{call!r} answered {len(outcomes)} of {len(requests)} requests")
             except BaseException as error:
                 outcomes = [error] * len(requests)
             given: set[int] = set()  # errors given already: the others get their own copies
