@@ -189,7 +189,7 @@ def test_ratios_set_our_concurrent_producers_against_theirs_per_thread_count():
     assert not any("users workload" in line for line in lines)  # no workload measured, no table of it
 
 
-def test_floors_add_the_disks_flush_a_trivial_request_and_the_clients_cpu():
+def test_floors_add_the_disks_flush_and_a_trivial_request():
     figures = {"disk": {"flushMs": {"p50": 0.4, "p99": 0.6}},
                "clientCpu": {"producerPostMs": 0.05, "asyncProducerPostMs": 0.08, "producerResultMs": 0.05,
                              "workerItemMs": 0.15, "workerBatchedItemMs": 0.02},

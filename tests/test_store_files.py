@@ -86,6 +86,53 @@ def test_a_failed_directory_flush_fails_the_callers_it_covered_and_no_later_ones
     files.flush_directory(str(tmp_path))  # the next flush is a new one
 
 
+def test_callers_covered_by_a_flush_that_stopped_on_an_unexpected_error_fail_too(tmp_path, monkeypatch):
+    """A flush that ends in something other than an OSError did not flush anything: a caller it
+    covered fails with an error rather than returning as if its change were on the disk."""
+    directory = str(tmp_path)
+    first_running, waiters_in, real_fsync = threading.Event(), threading.Event(), os.fsync
+    calls = []
+
+    def fsync(fd):
+        calls.append(fd)
+        if len(calls) == 1:  # flush 1 runs while two callers come and wait for flush 2
+            first_running.set()
+            assert waiters_in.wait(10)
+            real_fsync(fd)
+        elif len(calls) == 2:  # flush 2, run by one of them for both
+            raise RuntimeError("not an OSError")
+        else:
+            real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    outcomes = {}
+
+    def caller(name):
+        try:
+            files.flush_directory(directory)
+            outcomes[name] = "flushed"
+        except BaseException as error:
+            outcomes[name] = type(error).__name__
+
+    first = threading.Thread(target=caller, args=("first",))
+    first.start()
+    assert first_running.wait(10)
+    later = [threading.Thread(target=caller, args=(name,)) for name in ("a", "b")]
+    for thread in later:
+        thread.start()
+    flush = files._DirectoryFlush.of(directory)
+    for _ in range(1000):  # both wait on the flush's condition now
+        if len(flush._lock._waiters) == 2:
+            break
+        time.sleep(0.01)
+    waiters_in.set()
+    for thread in [first, *later]:
+        thread.join(10)
+
+    assert outcomes["first"] == "flushed" and len(calls) == 2
+    assert sorted([outcomes["a"], outcomes["b"]]) == ["OSError", "RuntimeError"]  # the one that ran it, the one it covered
+
+
 @pytest.mark.parametrize("removed", ["pending", "tmp", "done", "processing"])
 def test_a_state_directory_removed_while_running_is_made_again(store, config, removed):
     (held,) = post(store, "held")

@@ -4,6 +4,8 @@ threads exclude them too, whoever holds them; what a wait raises is raised insid
 transition; and a transition whose caller is cancelled still runs to its end."""
 
 import asyncio
+import errno
+import os
 import threading
 from collections import deque
 from concurrent.futures import Future
@@ -271,6 +273,29 @@ async def test_posts_on_the_loop_at_once_flush_their_files_together(tmp_path, mo
     assert store.count_items(queue=Q).pending == 6
 
 
+async def test_a_file_whose_writeback_cannot_be_started_is_still_flushed_and_its_post_stands(tmp_path, monkeypatch):
+    """Sending files on their way is only a hint: when it fails, each file's own flush decides."""
+    store = Store(tmp_path / "data", fsync=True)
+    store.ensure_queue(Q)
+    flushed = []
+    flush_file = files._flush_file
+
+    def refused(fd, offset, length, advice):
+        raise OSError(errno.EINVAL, "no such hint here")
+
+    def watched_flush_file(fd, path):
+        flush_file(fd, path)
+        flushed.append(path)
+
+    monkeypatch.setattr(os, "posix_fadvise", refused)
+    monkeypatch.setattr(files, "_flush_file", watched_flush_file)
+    posts = [turn.on_loop(post_batch, store=store, queue=Q, payloads=[n]) for n in range(3)]
+    outcomes = await asyncio.wait_for(asyncio.gather(*posts), HANG_SECONDS)
+
+    assert sorted(path.rsplit("/", 1)[1] for path in flushed) == sorted(f"{item.id}.json" for (item,) in outcomes)
+    assert store.count_items(queue=Q).pending == 3
+
+
 async def test_of_posts_flushing_their_files_together_only_the_one_whose_file_fails_fails(tmp_path, faults, monkeypatch):
     store = Store(tmp_path / "data", fsync=True)
     store.ensure_queue(Q)
@@ -339,6 +364,9 @@ async def test_a_call_that_answers_too_few_requests_fails_each_transition_and_le
     def answers_one(requests):
         return ["one"]
 
+    def answers_three(requests):
+        return ["one", "two", "three"]
+
     def answers_each(requests):
         return [f"{request} done" for request in requests]
 
@@ -347,12 +375,16 @@ async def test_a_call_that_answers_too_few_requests_fails_each_transition_and_le
 
     outcomes = await asyncio.wait_for(asyncio.gather(
         turn.on_loop(transition, call=answers_one, request="a"), turn.on_loop(transition, call=answers_one, request="b"),
-        turn.on_loop(transition, call=answers_each, request="c"), return_exceptions=True,
+        turn.on_loop(transition, call=answers_each, request="c"),
+        turn.on_loop(transition, call=answers_three, request="d"), return_exceptions=True,
     ), HANG_SECONDS)
 
     assert [type(outcome) for outcome in outcomes[:2]] == [RuntimeError, RuntimeError]
     assert "answered 1 of 2 requests" in str(outcomes[0])
     assert outcomes[2] == "c done"  # another call of the same turn is answered all the same
+    assert isinstance(outcomes[3], RuntimeError) and "answered 3 of 1 requests" in str(outcomes[3])
+    with pytest.raises(RuntimeError, match="answered 3 of 1"):  # from a thread as well
+        await asyncio.to_thread(transition, answers_three, "e")
 
 
 async def test_flushes_of_two_directories_in_one_turn_count_as_nobody_joining(tmp_path, monkeypatch):

@@ -73,8 +73,8 @@ The JSON line (one line on stdout; progress and a readable summary go to stderr)
       postMs               one producer's single post: the two together, as the post must wait
                            for its flush and make a request (our Producer's own CPU not added)
       postsPerSecond       1000 / postMs: one producer posting one item at a time, about the most
-      roundTripMs          two of each (the post's flush and the result's; the post, and the
-                           read of the result)
+      roundTripMs          two of each (the post's flush and request, and the worker's
+                           result's); what else a round trip holds is not counted
 """
 
 PEER_KEYS = ("enqueuePerSecond", "endToEndPerSecond")

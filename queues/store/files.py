@@ -474,6 +474,9 @@ class _DirectoryFlush:
             _fsync(self.path)
         except OSError as exc:
             error = exc
+        except BaseException as exc:  # the callers it covered were not flushed either
+            error = OSError(errno.EIO, f"the flush did not finish: {exc!r}")
+            raise
         finally:
             self._lock.acquire()
             self._running = False

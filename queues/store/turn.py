@@ -85,14 +85,23 @@ def together(call: Callable[[list], list], request: object) -> Any:
         on_this_loop = _OnThisLoop.of(asyncio.get_running_loop())
         if on_this_loop.gathering():
             return _suspend((call, request))
-        return _outcome(call([request])[0])
-    return _outcome(outside(call, [request])[0])
-
-
-def _outcome(outcome: object) -> Any:
+        (outcome,) = _answers(call, [request])
+    else:
+        (outcome,) = outside(_answers, call, [request])
     if isinstance(outcome, BaseException):
         raise outcome
     return outcome
+
+
+def _answers(call: Callable[[list], list], requests: list) -> list:
+    """`call(requests)`, checked to answer each request once; what it raised, for each."""
+    try:
+        outcomes = list(call(requests))
+        if len(outcomes) != len(requests):  # a transition left without one would sleep for good
+            raise RuntimeError(f"{call!r} answered {len(outcomes)} of {len(requests)} requests")
+    except BaseException as error:
+        outcomes = [error] * len(requests)
+    return outcomes
 
 
 def wait_for(future: Future) -> Any:
@@ -200,7 +209,7 @@ class _OnThisLoop:
     _of: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _OnThisLoop]" = weakref.WeakKeyDictionary()
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop = loop
+        self.loop = weakref.proxy(loop)  # not the loop itself: it is this entry's key in `_of`
         self.running: set[_OnLoop] = set()
         self.asked: dict[Callable, list[tuple[object, _OnLoop]]] = {}  # call -> its requests
         self.at_once = 0  # waits to run at once before one is gathered again
@@ -230,12 +239,7 @@ class _OnThisLoop:
         alone = all(len(requests) == 1 for requests in asked.values())  # nobody joined a wait
         self.at_once = AT_ONCE_AFTER_ALONE if alone else 0
         for call, requests in asked.items():
-            try:
-                outcomes = list(call([request for request, _ in requests]))
-                if len(outcomes) != len(requests):  # a transition left without one would sleep for good
-                    raise RuntimeError(f"{call!r} answered {len(outcomes)} of {len(requests)} requests")
-            except BaseException as error:
-                outcomes = [error] * len(requests)
+            outcomes = _answers(call, [request for request, _ in requests])
             given: set[int] = set()  # errors given already: the others get their own copies
             for outcome, (_, transition) in zip(outcomes, requests):
                 if isinstance(outcome, BaseException):
