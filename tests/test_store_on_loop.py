@@ -23,6 +23,20 @@ Q = "jobs"
 HANG_SECONDS = 60  # far beyond the work: still waiting then is stuck, not slow
 
 
+@pytest.fixture
+def flushed(monkeypatch) -> list[str]:
+    """The paths of the files flushed (not directories), each added once its flush returned."""
+    paths = []
+    flush_file = files._flush_file
+
+    def watched(fd, path):
+        flush_file(fd, path)
+        paths.append(path)
+
+    monkeypatch.setattr(files, "_flush_file", watched)
+    return paths
+
+
 async def _soon(event: threading.Event) -> bool:
     return await asyncio.to_thread(event.wait, HANG_SECONDS)
 
@@ -273,22 +287,15 @@ async def test_posts_on_the_loop_at_once_flush_their_files_together(tmp_path, mo
     assert store.count_items(queue=Q).pending == 6
 
 
-async def test_a_file_whose_writeback_cannot_be_started_is_still_flushed_and_its_post_stands(tmp_path, monkeypatch):
+async def test_a_file_whose_writeback_cannot_be_started_is_still_flushed_and_its_post_stands(tmp_path, monkeypatch, flushed):
     """Sending files on their way is only a hint: when it fails, each file's own flush decides."""
     store = Store(tmp_path / "data", fsync=True)
     store.ensure_queue(Q)
-    flushed = []
-    flush_file = files._flush_file
 
     def refused(fd, offset, length, advice):
         raise OSError(errno.EINVAL, "no such hint here")
 
-    def watched_flush_file(fd, path):
-        flush_file(fd, path)
-        flushed.append(path)
-
     monkeypatch.setattr(os, "posix_fadvise", refused)
-    monkeypatch.setattr(files, "_flush_file", watched_flush_file)
     posts = [turn.on_loop(post_batch, store=store, queue=Q, payloads=[n]) for n in range(3)]
     outcomes = await asyncio.wait_for(asyncio.gather(*posts), HANG_SECONDS)
 
@@ -296,24 +303,20 @@ async def test_a_file_whose_writeback_cannot_be_started_is_still_flushed_and_its
     assert store.count_items(queue=Q).pending == 3
 
 
-async def test_of_posts_flushing_their_files_together_only_the_one_whose_file_fails_fails(tmp_path, faults, monkeypatch):
+async def test_of_posts_flushing_their_files_together_only_the_one_whose_file_fails_fails(tmp_path, faults, monkeypatch,
+                                                                                          flushed):
     store = Store(tmp_path / "data", fsync=True)
     store.ensure_queue(Q)
     pending = tmp_path / "data" / Q / "pending"
     faults.fail(at=2, calls={"fsync"})  # the second post's file
-    together, flushed = [], []
-    flush_files, flush_file = files._flush_files, files._flush_file
+    together = []
+    flush_files = files._flush_files
 
     def watched_flush_files(requests):
         together.append(len(requests))
         return flush_files(requests)
 
-    def watched_flush_file(fd, path):
-        flush_file(fd, path)
-        flushed.append(path)
-
     monkeypatch.setattr(files, "_flush_files", watched_flush_files)
-    monkeypatch.setattr(files, "_flush_file", watched_flush_file)
     posts = [turn.on_loop(post_batch, store=store, queue=Q, payloads=[n]) for n in range(3)]
     outcomes = await asyncio.wait_for(asyncio.gather(*posts, return_exceptions=True), HANG_SECONDS)
 
