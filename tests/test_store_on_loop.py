@@ -225,13 +225,13 @@ async def test_a_holder_takes_its_stripe_again():
     stripe = Stripe()
 
     def transition():
-        stripe.take()
-        stripe.take()  # as a retry making a new item under its old one's lock
+        outermost = [stripe.take(), stripe.take()]  # the second as a retry making a new item under its old one's lock
         stripe.release()
         stripe.release()
-        return True
+        return outermost
 
-    assert await asyncio.wait_for(turn.on_loop(transition), HANG_SECONDS)
+    # only the outermost hold takes (and drops) the other processes' record lock
+    assert await asyncio.wait_for(turn.on_loop(transition), HANG_SECONDS) == [True, False]
 
 
 async def test_posts_on_the_loop_at_once_share_one_directory_flush(tmp_path, monkeypatch):

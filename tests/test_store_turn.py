@@ -4,6 +4,8 @@ process holding item locks too."""
 
 import errno
 import os
+import subprocess
+import sys
 import threading
 import time
 from functools import partial
@@ -263,3 +265,30 @@ def test_a_thread_waiting_for_another_process_lock_lets_the_others_run(tmp_path,
         let_go()
         finishing.join(HANG_SECONDS)
         assert finished and finished[0].accepted
+
+
+def _taken_elsewhere(path: str, stripe: int) -> bool:
+    """Whether another process finds the stripe's byte of the lock file `path` locked."""
+    probe = (
+        "import fcntl, os, sys\n"
+        f"fd = os.open({path!r}, os.O_RDWR)\n"
+        "try:\n"
+        f"    fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, {stripe})\n"
+        "except OSError:\n"
+        "    sys.exit(1)\n"
+    )
+    return subprocess.run([sys.executable, "-c", probe], timeout=HANG_SECONDS).returncode == 1
+
+
+def test_an_item_held_again_stays_locked_for_other_processes_until_its_outermost_hold_ends(tmp_path):
+    """A transition that makes an item under another's lock (a retry) takes the same stripe twice:
+    the inner hold ending must not let another process in."""
+    Store(tmp_path / "data", fsync=False).ensure_queue(Q)
+    path = str(tmp_path / "data" / Q / "locks" / "items")
+    locks = QueueLocks.for_file(path)
+    stripe = locks.stripe_of("ab")
+    with locks.hold("ab"):
+        with locks.hold("ab"):
+            assert _taken_elsewhere(path, stripe)
+        assert _taken_elsewhere(path, stripe)
+    assert not _taken_elsewhere(path, stripe)

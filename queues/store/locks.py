@@ -41,7 +41,6 @@ class QueueLocks:
         self._key = key
         self.stripes = stripes
         self._stripes: dict[int, Stripe] = {}  # made as stripes are first taken
-        self._depth: dict[int, int] = {}  # holds of each stripe by its holder
         self._made = threading.Lock()
 
     @classmethod
@@ -71,16 +70,14 @@ class QueueLocks:
         if in_process is None:
             with self._made:
                 in_process = self._stripes.setdefault(stripe, Stripe())
-        in_process.take()
+        outermost = in_process.take()
         try:
-            if not self._depth.get(stripe):
+            if outermost:
                 _lock_byte(self._fd, stripe)
-            self._depth[stripe] = self._depth.get(stripe, 0) + 1
             try:
                 yield
             finally:
-                self._depth[stripe] -= 1
-                if not self._depth[stripe]:
+                if outermost:
                     fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, stripe)
         finally:
             in_process.release()
@@ -103,17 +100,19 @@ class Stripe:
         self._depth = 0
         self._waiters: deque[tuple[greenlet.greenlet, Future]] = deque()
 
-    def take(self) -> None:
+    def take(self) -> bool:
+        """Hold it; whether this is the holder's outermost hold."""
         me = greenlet.getcurrent()
         with self._guard:
             if self._holder is None or self._holder is me:
                 self._holder = me
                 self._depth += 1
-                return
+                return self._depth == 1
             handed = Future()
             self._waiters.append((me, handed))
         try:
             turn.wait_for(handed)  # release makes this one the holder before it settles `handed`
+            return True
         except BaseException:
             with self._guard:
                 queued = (me, handed) in self._waiters
