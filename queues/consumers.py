@@ -11,6 +11,7 @@ import asyncio
 import json
 import logging
 import time
+from functools import partial
 from urllib.parse import parse_qs
 
 from channels.consumer import get_handler_name
@@ -100,7 +101,7 @@ class WorkConsumer(AsyncWebsocketConsumer):
         self.token: str | None = None
         self.held: dict[tuple[str, str], str] = {}  # (queue, id) -> claim token
         self.waiting: set[asyncio.Task] = set()  # claims waiting for items
-        self.claiming: set[asyncio.Task] = set()  # store claims in flight
+        self.claiming: set[asyncio.Future] = set()  # store claims in flight
         self.connection: Connection | None = None  # on the dashboard's list of workers while open
 
     async def dispatch(self, message):
@@ -244,20 +245,21 @@ class WorkConsumer(AsyncWebsocketConsumer):
             await self.answer_error(ref, exc)
 
     async def claim(self, config: QueueConfig, max_items: int) -> list:
-        # shielded: if this connection closes meanwhile, the claim still completes and its
-        # items are recorded as held, so let_go() re-queues them
-        task = asyncio.create_task(self.claim_and_hold(config, max_items))
-        self.claiming.add(task)
-        task.add_done_callback(self.claiming.discard)
-        return await asyncio.shield(task)
+        claiming = run(get_store().claim_items, config=config, max_items=max_items)
+        # its items are recorded as held when it ends, by a callback, not by this caller: if this
+        # connection closes meanwhile, the claim still completes and let_go() re-queues them
+        claiming.add_done_callback(partial(self.hold_claimed, config.name))
+        self.claiming.add(claiming)
+        claiming.add_done_callback(self.claiming.discard)
+        return await asyncio.shield(claiming)
 
-    async def claim_and_hold(self, config: QueueConfig, max_items: int) -> list:
-        items = await run(get_store().claim_items, config=config, max_items=max_items)
+    def hold_claimed(self, queue: str, claiming: asyncio.Future) -> None:
+        if claiming.cancelled() or claiming.exception() is not None:
+            return
         loop = asyncio.get_running_loop()
-        for item in items:
-            self.held[(config.name, item.id)] = item.claim_token
-            hub.hold(config.name, item.id, lambda queue, item_id: loop.call_soon_threadsafe(self.was_canceled, queue, item_id))
-        return items
+        for item in claiming.result():
+            self.held[(queue, item.id)] = item.claim_token
+            hub.hold(queue, item.id, lambda queue, item_id: loop.call_soon_threadsafe(self.was_canceled, queue, item_id))
 
     def was_canceled(self, queue: str, item_id: str) -> None:
         """One of the items this connection holds was canceled: it holds it no more, and its

@@ -27,6 +27,11 @@ def _wake(future: asyncio.Future) -> None:
         future.set_result(True)
 
 
+def _time_out(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(False)
+
+
 def _wake_soon(future: asyncio.Future) -> None:
     """Wake a waiter from any thread; from its own loop's thread at once (no trip through the
     loop's self-pipe, which costs an extra turn of the loop)."""
@@ -51,9 +56,9 @@ class Hub:
         self._holders: dict[tuple[str, str], Callable[[str, str], None]] = {}  # held item -> told
         self.bridge: Bridge | None = None
 
-    def items_available(self, queue: str, count: int = 1, *, local_only: bool = False) -> None:
+    def items_available(self, queue: str, count: int = 1, *, local_only: bool = False) -> int:
         """Items were posted or re-queued: wake at most `count` waiting claims, oldest first
-        (no thundering herd: the rest keep waiting)."""
+        (no thundering herd: the rest keep waiting). How many of this process's it woke."""
         with self._lock:
             self._available_events[queue] += 1
             waiters = self._claim_waiters.get(queue)
@@ -64,6 +69,7 @@ class Hub:
             _wake_soon(future)
         if self.bridge is not None and not local_only:
             self.bridge.publish("available", queue, count)
+        return len(woken)
 
     def items_terminal(self, queue: str, item_ids: Iterable[str], *, local_only: bool = False) -> None:
         """Items finished or failed: wake every read waiting on them."""
@@ -114,16 +120,19 @@ class Hub:
         return await self._wait(self._item_waiters, (queue, item_id), timeout, self._terminal_events, queue, since)
 
     async def _wait(self, waiting: dict, key, timeout: float, events: dict, queue: str, since: int | None) -> bool:
-        future = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
         with self._lock:
             if since is not None and events.get(queue, 0) != since:
                 return True
             waiting[key].append(future)
+        # a timer, not asyncio.wait_for: a wake-up then resumes the waiter in the loop's next
+        # turn, not the one after it (a woken claim runs before a post's gathered flush)
+        timer = loop.call_later(timeout, _time_out, future)
         try:
-            return await asyncio.wait_for(future, timeout)
-        except asyncio.TimeoutError:
-            return False
+            return await future
         finally:
+            timer.cancel()
             with self._lock:
                 waiters = waiting.get(key)
                 if waiters is not None and future in waiters:

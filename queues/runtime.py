@@ -10,8 +10,8 @@ Async code calls the store through `run`, and only here is it decided where each
   own, so a big queue's count never holds up a post.
 """
 
+import asyncio
 import logging
-from collections.abc import Awaitable
 from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 
@@ -67,19 +67,20 @@ def _scan_threads() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=SCAN_THREADS, thread_name_prefix="scan")
 
 
-async def run(call, /, **kwargs):
-    """Run a store method where it belongs and return what it returns (a call that blocks for long
+def run(call, /, **kwargs) -> asyncio.Future:
+    """Start a store method where it belongs, now, and return what it returns as a future to
+    await (one on the loop has run up to its first wait by then; a call that blocks for long
     must be a scan, or have more than ITEMS_ON_LOOP items, or it holds the loop). Once started it
-    runs to its end even if the caller is cancelled meanwhile, so a transition is never left half
-    done."""
+    runs to its end even if the future is cancelled meanwhile, so a transition is never left
+    half done."""
     name = getattr(call, "__name__", "")
     if name == "claim_items":
-        return await _claim(call, **kwargs)
+        return _claim(call, **kwargs)
     if name in SCANS:
-        return await in_thread(_scan_threads(), call, **kwargs)
+        return in_thread(_scan_threads(), call, **kwargs)
     if max((len(kwargs[arg]) for arg in ITEM_LISTS if arg in kwargs), default=1) <= ITEMS_ON_LOOP:
-        return await turn.on_loop(call, **kwargs)
-    return await _in_store_thread(call, **kwargs)
+        return turn.on_loop(call, **kwargs)
+    return _in_store_thread(call, **kwargs)
 
 
 async def store_threads_answer() -> bool:
@@ -88,19 +89,26 @@ async def store_threads_answer() -> bool:
     return await in_thread(_store_threads(), bool, True)
 
 
-def _in_store_thread(call, /, **kwargs) -> Awaitable:
+def _in_store_thread(call, /, **kwargs) -> asyncio.Future:
     """`call` in the store's threads, taking turns."""
     return in_thread(_store_threads(), turn.taking, call, **kwargs)
 
 
-async def _claim(claim_items, /, *, max_items: int = 1, **kwargs) -> list:
+def _claim(claim_items, /, *, max_items: int = 1, **kwargs) -> asyncio.Future:
     """A claim's first items on the loop, the rest (if it found all it took there) in the store's
     threads; a failure there ends the claim with what it had, as within one claim."""
-    first = await turn.on_loop(claim_items, max_items=min(max_items, ITEMS_ON_LOOP), **kwargs)
-    if len(first) < ITEMS_ON_LOOP or max_items <= ITEMS_ON_LOOP:
+    first = turn.on_loop(claim_items, max_items=min(max_items, ITEMS_ON_LOOP), **kwargs)
+    if max_items <= ITEMS_ON_LOOP:
         return first
+    return asyncio.ensure_future(_claim_more(first, claim_items, max_items=max_items, **kwargs))
+
+
+async def _claim_more(first: asyncio.Future, claim_items, /, *, max_items: int, **kwargs) -> list:
+    items = await first
+    if len(items) < ITEMS_ON_LOOP:
+        return items
     try:
-        return first + await _in_store_thread(claim_items, max_items=max_items - len(first), **kwargs)
+        return items + await _in_store_thread(claim_items, max_items=max_items - len(items), **kwargs)
     except StorageUnavailable:
         log.warning("a claim stopped early", exc_info=True)
-        return first
+        return items

@@ -8,19 +8,21 @@ from concurrent.futures import Executor, Future
 from functools import partial
 
 
-async def in_thread(pool: Executor, call, /, *args, **kwargs):
-    """`call(*args, **kwargs)` in one of `pool`'s threads; what it returns, or its error. Once
-    started it runs to its end even if the caller is cancelled meanwhile; one not started yet
-    never starts."""
+def in_thread(pool: Executor, call, /, *args, **kwargs) -> asyncio.Future:
+    """`call(*args, **kwargs)`, handed now to one of `pool`'s threads; its outcome, a future of
+    the running loop to await. Once started it runs to its end even if the future is cancelled
+    meanwhile; one not started yet never starts."""
     loop = asyncio.get_running_loop()
     answer = loop.create_future()
     work = pool.submit(call, *args, **kwargs)
     work.add_done_callback(partial(_hand_back, loop, answer))
-    try:
-        return await answer
-    except asyncio.CancelledError:
+    answer.add_done_callback(partial(_give_up_unless_started, work))
+    return answer
+
+
+def _give_up_unless_started(work: Future, answer: asyncio.Future) -> None:
+    if answer.cancelled():
         work.cancel()
-        raise
 
 
 def _hand_back(loop: asyncio.AbstractEventLoop, answer: asyncio.Future, work: Future) -> None:

@@ -371,7 +371,7 @@ async def test_a_post_begun_is_finished_even_if_its_caller_is_cancelled(queues, 
 
     monkeypatch.setattr(store, "post_items", slow_post)
     items = [NewItem(n) for n in range(count)]
-    posting = asyncio.create_task(run(store.post_items, config=QueueConfig(name="jobs"), items=items))
+    posting = asyncio.ensure_future(run(store.post_items, config=QueueConfig(name="jobs"), items=items))
     await asyncio.sleep(0.2)
     assert not posting.done()
     posting.cancel()

@@ -10,12 +10,23 @@ async def test_items_available_wakes_only_as_many_claims_as_items_oldest_first()
     hub = Hub()
     waiters = [asyncio.create_task(hub.wait_available("jobs", timeout=5)) for _ in range(5)]
     await asyncio.sleep(0)  # let every waiter register
-    hub.items_available("jobs", 2)
+    assert hub.items_available("jobs", 2) == 2
     done, pending = await asyncio.wait(waiters, timeout=0.5)
     assert [waiters.index(task) for task in sorted(done, key=waiters.index)] == [0, 1]
     assert all(task.result() is True for task in done)
-    hub.items_available("jobs", 10)
+    assert hub.items_available("jobs", 10) == 3  # as many as were waiting
     assert await asyncio.gather(*pending) == [True, True, True]
+    assert hub.items_available("jobs", 1) == 0
+
+
+async def test_a_woken_claim_goes_on_in_the_loops_next_turn():
+    """Not a turn later: a post's flush, gathered in the next turn, comes after the claim."""
+    hub = Hub()
+    waiter = asyncio.create_task(hub.wait_available("jobs", timeout=30))
+    await asyncio.sleep(0)
+    hub.items_available("jobs", 1)
+    await asyncio.sleep(0)  # one turn of the loop
+    assert waiter.done() and waiter.result() is True
 
 
 async def test_a_claim_on_another_queue_is_not_woken():

@@ -137,7 +137,7 @@ async def test_a_started_call_runs_to_its_end_though_its_caller_is_cancelled(kwa
     troubles = []  # the outcome handed back to a caller that is gone must raise nothing on the loop
     loop.set_exception_handler(lambda loop, context: troubles.append(context))
     try:
-        caller = asyncio.create_task(run(post_items, **kwargs))
+        caller = asyncio.ensure_future(run(post_items, **kwargs))
         await asyncio.to_thread(started.wait, 10)
         caller.cancel()
         go_on.set_result(None)
@@ -164,10 +164,10 @@ async def test_a_call_whose_caller_is_cancelled_before_it_starts_never_runs():
     def post_items(**kwargs):
         ran.append(True)
 
-    holders = [asyncio.create_task(run(finish_items, results=_many())) for _ in range(runtime.STORE_THREADS)]
+    holders = [asyncio.ensure_future(run(finish_items, results=_many())) for _ in range(runtime.STORE_THREADS)]
     try:
         await asyncio.to_thread(started.wait, 10)
-        waiting = asyncio.create_task(run(post_items, items=_many()))
+        waiting = asyncio.ensure_future(run(post_items, items=_many()))
         await asyncio.sleep(0.05)  # it is in the store threads' queue now
         waiting.cancel()
         with pytest.raises(asyncio.CancelledError):

@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import threading
+from concurrent.futures import Future
 from contextlib import asynccontextmanager
 
 import pytest
@@ -16,9 +17,9 @@ from queues import consumers
 from queues.bridge import ChannelBridge, group_name
 from queues.events import Hub, hub
 from queues.models import ApiToken
-from queues.runtime import get_registry, get_store
+from queues.runtime import get_registry, get_store, run
 from queues.services import save_queue
-from queues.store import QueueConfig
+from queues.store import NewItem, QueueConfig, files, turn
 from taskhoster_site.asgi import application
 from storekit import finish, post_batch, release
 
@@ -438,6 +439,28 @@ async def test_a_waiting_claim_is_woken_by_a_post(token, no_recheck):
     assert answer["ref"] == "w" and [item["id"] for item in answer["items"]] == ids
 
 
+async def test_a_woken_claim_sends_its_item_before_the_post_that_woke_it_is_flushed(token, no_recheck, monkeypatch):
+    """So the worker works while the disk flushes the post; the post is answered once flushed."""
+    store = get_store()
+    await run(store.post_items, config=config("jobs"), items=[NewItem("alone")])  # flushed alone
+    async with connected(token) as ws:
+        sent_at_flush = []
+        flush_file = files._flush_file
+
+        def watched(fd, path):
+            sent_at_flush.append(ws.output_queue.qsize())  # frames the socket has sent by then
+            flush_file(fd, path)
+
+        monkeypatch.setattr(files, "_flush_file", watched)
+        await ask(ws, {"op": "claim", "queue": "jobs"})  # takes "alone"
+        await ws.send_json_to({"op": "claim", "queue": "jobs", "wait": 60, "ref": "w"})
+        await ask(ws, {"op": "nothing"})  # the claim waits
+        [posted] = await run(store.post_items, config=config("jobs"), items=[NewItem("second")])
+        answer = await ws.receive_json_from(timeout=TIMEOUT)
+    assert sent_at_flush == [1]
+    assert (answer["ref"], [item["id"] for item in answer["items"]]) == ("w", [posted.item.id])
+
+
 async def test_a_post_that_lands_while_the_claim_looks_at_the_disk_still_wakes_it(
     token, no_recheck, post_lands_mid_claim
 ):
@@ -529,6 +552,33 @@ async def test_an_item_claimed_for_a_socket_that_closed_meanwhile_goes_back_to_p
     [item_id] = post("jobs", 1)
     assert await asyncio.to_thread(claiming.wait, TIMEOUT)
     threading.Timer(0.2, finish_claim.set).start()
+    await ws.disconnect(timeout=TIMEOUT)
+    item = store.read_item(queue="jobs", item_id=item_id)
+    assert (item.status, item.attempts) == ("pending", 1)
+
+
+async def test_a_claim_still_waiting_for_a_lock_when_its_socket_closes_gives_its_items_back(token, no_recheck,
+                                                                                            monkeypatch):
+    """The claim goes on after the socket's tasks are cancelled; what it takes is re-queued."""
+    store = get_store()
+    real_claim, gate = store.claim_items, Future()
+    claims = []
+
+    def claim_items(**kwargs):  # the woken claim waits on the loop, as for another's lock
+        claims.append(kwargs)
+        if len(claims) == 2:
+            turn.wait_for(gate)
+        return real_claim(**kwargs)
+
+    monkeypatch.setattr(store, "claim_items", claim_items)
+    ws = WebsocketCommunicator(application, "/work", headers=auth(token))
+    await ws.connect()
+    await ws.send_json_to({"op": "claim", "queue": "jobs", "wait": 60})
+    await ask(ws, {"op": "nothing"})
+    [item_id] = post("jobs", 1)
+    while len(claims) < 2:
+        await asyncio.sleep(0.01)
+    asyncio.get_running_loop().call_later(0.1, gate.set_result, None)
     await ws.disconnect(timeout=TIMEOUT)
     item = store.read_item(queue="jobs", item_id=item_id)
     assert (item.status, item.attempts) == ("pending", 1)

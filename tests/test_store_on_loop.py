@@ -13,6 +13,7 @@ from concurrent.futures import Future
 import greenlet
 import pytest
 
+from queues.events import Hub
 from queues.exceptions import StorageUnavailable
 from queues.store import QueueConfig, Store, files, turn
 from queues.store.locks import QueueLocks, Stripe
@@ -352,6 +353,70 @@ async def test_after_a_wait_nobody_else_joined_the_next_run_at_once_then_one_is_
     assert len(flushes) == 2 + turn.AT_ONCE_AFTER_ALONE  # gathered again, and shared
     await asyncio.wait_for(asyncio.gather(turn.on_loop(transition), turn.on_loop(transition)), HANG_SECONDS)
     assert len(flushes) == 3 + turn.AT_ONCE_AFTER_ALONE  # others came: gathered still
+
+
+async def test_a_transition_runs_from_the_moment_it_is_asked_not_once_awaited():
+    ran = []
+    ended = turn.on_loop(lambda: ran.append("ran") or "done")
+    assert ran == ["ran"] and ended.done()
+    assert await ended == "done"
+
+
+async def test_a_transition_that_woke_others_lets_them_run_before_its_next_wait_for_the_disk():
+    """Even when waits run at once (after one nobody joined), one after a wake-up is gathered:
+    what was woken (a claim) goes first, so its worker works while the disk flushes."""
+    order = []
+
+    def flush(requests):
+        order.append("flush")
+        return [None] * len(requests)
+
+    def transition(*, wakes: bool):
+        asyncio.get_running_loop().call_soon(order.append, "woken")  # as a woken claim's task
+        if wakes:
+            turn.let_woken_go_first()
+        turn.together(flush, "directory")
+
+    await turn.on_loop(transition, wakes=False)  # gathered, alone: the next ones run at once
+    order.clear()
+    await asyncio.wait_for(turn.on_loop(transition, wakes=True), HANG_SECONDS)
+    assert order == ["woken", "flush"]
+    order.clear()
+    await asyncio.wait_for(turn.on_loop(transition, wakes=False), HANG_SECONDS)
+    await asyncio.sleep(0)
+    assert order == ["flush", "woken"]
+
+
+async def test_a_claim_woken_by_a_post_takes_the_item_before_the_post_is_flushed_and_the_post_stays_durable(
+        tmp_path, monkeypatch, flushed):
+    hub = Hub()
+    store = Store(tmp_path / "data", fsync=True, events=hub)
+    store.ensure_queue(Q)
+    config = QueueConfig(name=Q)
+    directories = []
+    fsync = files._fsync
+    monkeypatch.setattr(files, "_fsync", lambda path: (directories.append(path), fsync(path))[1])
+    await turn.on_loop(post_batch, store=store, queue=Q, payloads=["first"])  # flushed alone
+    [first] = store.claim_items(config=config, max_items=1)
+    order = []
+
+    async def claim_when_woken():
+        await hub.wait_available(Q, HANG_SECONDS)
+        items = await turn.on_loop(store.claim_items, config=config, max_items=1)
+        order.append(("claimed", [item.payload for item in items], len(flushed)))
+
+    claiming = asyncio.ensure_future(claim_when_woken())
+    await asyncio.sleep(0)
+    flushed.clear()
+    directories.clear()
+    [posted] = await asyncio.wait_for(turn.on_loop(post_batch, store=store, queue=Q, payloads=["second"]), HANG_SECONDS)
+    await asyncio.wait_for(claiming, HANG_SECONDS)
+
+    assert order == [("claimed", ["second"], 0)]  # before any file was flushed
+    assert flushed == [str(tmp_path / "data" / Q / "pending" / f"{posted.id}.json")]  # then its own file
+    assert str(tmp_path / "data" / Q / "processing") in directories  # and the directory naming it now
+    assert store.read_item(queue=Q, item_id=posted.id).status == "processing"
+    assert first.payload == "first"
 
 
 async def test_a_wait_on_the_loops_thread_outside_a_transition_is_refused_not_a_hang():

@@ -7,7 +7,8 @@ core on a busy machine: each costs more than the flush. Flushes are the waits tr
 together (`together`): a transition asking for one sleeps while the loop goes on with what else
 is ready, then one call flushes what every transition asked in that turn of the loop (files all
 sent on their way before each is waited for, a directory once); after a gathering nobody else
-joined, the next few run at once (AT_ONCE_AFTER_ALONE).
+joined, the next few run at once (AT_ONCE_AFTER_ALONE), but not one after the transition woke a
+claim (`let_woken_go_first`): the claim runs first, and its worker works while the disk flushes.
 A wait for a lock of this process (`wait_for`) holds neither the loop nor a thread: the holder
 settles a future; one for another process's lock (`aside`) holds a thread of its own. So the loop
 stops while the disk flushes, as the flush's own caller would, and a disk that never answers
@@ -132,15 +133,24 @@ def _settle(outcome: Future, call: Callable, args: tuple) -> None:
         outcome.set_exception(error)
 
 
-async def on_loop(call: Callable[..., T], /, **kwargs) -> T:
-    """Run `call(**kwargs)` on the event loop; what it returns, or its error. Once started it runs
-    to its end even if the caller is cancelled meanwhile (the loop, not the caller, drives it)."""
+def on_loop(call: Callable[..., T], /, **kwargs) -> "asyncio.Future[T]":
+    """Run `call(**kwargs)` on the event loop, from now: it has run up to its first wait (or its
+    end) when this returns. Its outcome, a future to await; it runs to its end even if that
+    future is cancelled meanwhile (the loop, not the caller, drives it)."""
     loop = asyncio.get_running_loop()
     transition = _OnLoop(partial(call, **kwargs))
     transition.ended = loop.create_future()
     _OnThisLoop.of(loop).running.add(transition)
     _go_on(transition, transition.switch)
-    return await transition.ended
+    return transition.ended
+
+
+def let_woken_go_first() -> None:
+    """The running transition has woken others waiting on this loop (a claim waiting for the
+    item it posts): its next wait for the disk is gathered, so they run before the loop stops
+    for the flush, and their part (a worker's) overlaps the disk's. From a thread, nothing."""
+    if isinstance(greenlet.getcurrent(), _OnLoop):
+        _OnThisLoop.of(asyncio.get_running_loop()).at_once = 0
 
 
 async def transitions_ended(timeout: float) -> bool:
