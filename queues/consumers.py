@@ -152,8 +152,9 @@ class WorkConsumer(AsyncWebsocketConsumer):
         for task in self.waiting:
             task.cancel()
         await asyncio.gather(*self.waiting, return_exceptions=True)
-        # a claim the thread finished after its socket went away still holds items: wait for it
-        await asyncio.gather(*self.claiming, return_exceptions=True)
+        # a claim still under way when the socket went away will hold items: wait for it to end
+        # (shielded: were this wait cancelled, the claim still ends and records them for the next)
+        await asyncio.gather(*map(asyncio.shield, self.claiming), return_exceptions=True)
         held, self.held = self.held, {}
         for queue, item_id in held:
             hub.let_go(queue, item_id)

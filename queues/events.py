@@ -64,7 +64,9 @@ class Hub:
             waiters = self._claim_waiters.get(queue)
             woken = []
             while waiters and len(woken) < count:
-                woken.append(waiters.popleft())
+                future = waiters.popleft()
+                if not future.done():  # timed out or cancelled: leaving anyway
+                    woken.append(future)
         for future in woken:
             _wake_soon(future)
         if self.bridge is not None and not local_only:

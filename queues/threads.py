@@ -13,16 +13,23 @@ def in_thread(pool: Executor, call, /, *args, **kwargs) -> asyncio.Future:
     the running loop to await. Once started it runs to its end even if the future is cancelled
     meanwhile; one not started yet never starts."""
     loop = asyncio.get_running_loop()
-    answer = loop.create_future()
     work = pool.submit(call, *args, **kwargs)
+    answer = _Answer(work, loop=loop)
     work.add_done_callback(partial(_hand_back, loop, answer))
-    answer.add_done_callback(partial(_give_up_unless_started, work))
     return answer
 
 
-def _give_up_unless_started(work: Future, answer: asyncio.Future) -> None:
-    if answer.cancelled():
-        work.cancel()
+class _Answer(asyncio.Future):
+    """A thread's outcome on the loop. Cancelling it cancels the work in the same instant (a
+    callback a turn later could come after a thread has picked the work up)."""
+
+    def __init__(self, work: Future, *, loop: asyncio.AbstractEventLoop):
+        super().__init__(loop=loop)
+        self._work = work
+
+    def cancel(self, msg=None) -> bool:
+        self._work.cancel()
+        return super().cancel(msg=msg)
 
 
 def _hand_back(loop: asyncio.AbstractEventLoop, answer: asyncio.Future, work: Future) -> None:

@@ -19,6 +19,17 @@ async def test_items_available_wakes_only_as_many_claims_as_items_oldest_first()
     assert hub.items_available("jobs", 1) == 0
 
 
+async def test_a_wake_up_goes_to_a_claim_still_waiting_not_to_one_that_timed_out_but_has_not_left():
+    hub = Hub()
+    left = asyncio.get_running_loop().create_future()
+    left.set_result(False)  # timed out: its task removes it from the queue when it next runs
+    hub._claim_waiters["jobs"].append(left)
+    waiting = asyncio.create_task(hub.wait_available("jobs", timeout=30))
+    await asyncio.sleep(0)
+    assert hub.items_available("jobs", 1) == 1
+    assert await asyncio.wait_for(waiting, 5) is True
+
+
 async def test_a_woken_claim_goes_on_in_the_loops_next_turn():
     """Not a turn later: a post's flush, gathered in the next turn, comes after the claim."""
     hub = Hub()

@@ -4,7 +4,7 @@ caller sees one claim."""
 
 import asyncio
 import threading
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 
@@ -12,6 +12,7 @@ from queues import runtime
 from queues.exceptions import StorageUnavailable
 from queues.runtime import run
 from queues.store import QueueConfig, Store, turn
+from queues.threads import in_thread
 from storekit import post_batch
 
 Q = "jobs"
@@ -150,6 +151,19 @@ async def test_a_started_call_runs_to_its_end_though_its_caller_is_cancelled(kwa
     finally:
         loop.set_exception_handler(None)
     assert troubles == []
+
+
+async def test_cancelling_a_calls_future_takes_its_work_back_at_once_if_no_thread_has_it():
+    """Not a turn of the loop later: by then a thread that freed up could have started it."""
+    pool = ThreadPoolExecutor(max_workers=1)
+    busy = threading.Event()
+    pool.submit(busy.wait, 10)  # the one thread is busy: the call waits in the queue
+    ran = []
+    answer = in_thread(pool, ran.append, "ran")
+    answer.cancel()
+    busy.set()
+    pool.shutdown(wait=True)  # the thread takes whatever is left in the queue, then ends
+    assert ran == [] and answer.cancelled()
 
 
 async def test_a_call_whose_caller_is_cancelled_before_it_starts_never_runs():

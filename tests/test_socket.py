@@ -584,6 +584,19 @@ async def test_a_claim_still_waiting_for_a_lock_when_its_socket_closes_gives_its
     assert (item.status, item.attempts) == ("pending", 1)
 
 
+async def test_letting_go_cancelled_while_it_waits_for_a_claim_leaves_the_claim_to_end():
+    """Its items are recorded when it ends, for the next let_go (the socket's own, at its end)."""
+    consumer = consumers.WorkConsumer()
+    claiming = asyncio.get_running_loop().create_future()
+    consumer.claiming.add(claiming)
+    letting_go = asyncio.ensure_future(consumer.let_go(reason="socket"))
+    await asyncio.sleep(0)
+    letting_go.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await letting_go
+    assert not claiming.cancelled()
+
+
 async def test_disconnect_cancels_waiting_claims(token):
     async with connected(token) as ws:
         await ws.send_json_to({"op": "claim", "queue": "jobs", "wait": 60})

@@ -15,7 +15,7 @@ import pytest
 
 from queues.events import Hub
 from queues.exceptions import StorageUnavailable
-from queues.store import QueueConfig, Store, files, turn
+from queues.store import QueueConfig, Release, Store, files, turn
 from queues.store.locks import QueueLocks, Stripe
 from lock_holder import item_locks_held_elsewhere
 from storekit import finish, post_batch
@@ -371,11 +371,12 @@ async def test_a_transition_that_woke_others_lets_them_run_before_its_next_wait_
         order.append("flush")
         return [None] * len(requests)
 
-    def transition(*, wakes: bool):
+    def transition(*, wakes: bool, flushes: bool = True):
         asyncio.get_running_loop().call_soon(order.append, "woken")  # as a woken claim's task
         if wakes:
             turn.let_woken_go_first()
-        turn.together(flush, "directory")
+        if flushes:
+            turn.together(flush, "directory")
 
     await turn.on_loop(transition, wakes=False)  # gathered, alone: the next ones run at once
     order.clear()
@@ -385,13 +386,62 @@ async def test_a_transition_that_woke_others_lets_them_run_before_its_next_wait_
     await asyncio.wait_for(turn.on_loop(transition, wakes=False), HANG_SECONDS)
     await asyncio.sleep(0)
     assert order == ["flush", "woken"]
+    # the wake-up is the waking transition's own: one that made no flush leaves others as they were
+    await turn.on_loop(transition, wakes=True, flushes=False)
+    await asyncio.sleep(0)
+    order.clear()
+    await asyncio.wait_for(turn.on_loop(transition, wakes=False), HANG_SECONDS)
+    await asyncio.sleep(0)
+    assert order == ["flush", "woken"]
 
 
+async def test_an_item_moved_while_its_posts_directory_flush_ran_is_flushed_where_it_went(tmp_path, monkeypatch):
+    """A claim takes the post's item before pending/ is flushed, and a re-queue brings it back
+    while processing/ is flushed: pending/ is flushed after that (on ext4 without a journal the
+    rename would otherwise never reach the disk)."""
+    store = Store(tmp_path / "data", fsync=True)
+    store.ensure_queue(Q)
+    config = QueueConfig(name=Q)
+    data = tmp_path / "data" / Q
+    flushed_directories = []
+    flush_directory = files.flush_directory
+    moves = {}
+
+    def watched(path):
+        if path == str(data / "pending") and not flushed_directories:
+            [moves["claimed"]] = store.claim_items(config=config, max_items=1)  # before pending/ is flushed
+        flush_directory(path)
+        flushed_directories.append(path)
+        if path == str(data / "processing") and "requeued" not in moves:
+            claimed = moves["claimed"]
+            moves["requeued"] = store.release_items(releases=[Release(config, claimed.id, claimed.claim_token)])
+
+    monkeypatch.setattr(files, "flush_directory", watched)
+    [posted] = await turn.on_loop(post_batch, store=store, queue=Q, payloads=["x"])
+    assert flushed_directories[-2:] == [str(data / "processing"), str(data / "pending")]
+    assert store.read_item(queue=Q, item_id=posted.id).status == "pending"
+
+
+async def test_a_transition_cannot_start_another_from_inside():
+    def inner():
+        return "inner"
+
+    def outer():
+        try:
+            turn.on_loop(inner)
+        except RuntimeError as error:
+            return str(error)
+
+    assert "cannot start another" in await turn.on_loop(outer)
+
+
+@pytest.mark.parametrize("xattrs", [True, False], ids=["claims-in-xattrs", "claims-replace-the-file"])
 async def test_a_claim_woken_by_a_post_takes_the_item_before_the_post_is_flushed_and_the_post_stays_durable(
-        tmp_path, monkeypatch, flushed):
+        tmp_path, monkeypatch, flushed, xattrs):
     hub = Hub()
     store = Store(tmp_path / "data", fsync=True, events=hub)
     store.ensure_queue(Q)
+    store._items.claim_xattrs = xattrs
     config = QueueConfig(name=Q)
     directories = []
     fsync = files._fsync
@@ -413,7 +463,10 @@ async def test_a_claim_woken_by_a_post_takes_the_item_before_the_post_is_flushed
     await asyncio.wait_for(claiming, HANG_SECONDS)
 
     assert order == [("claimed", ["second"], 0)]  # before any file was flushed
-    assert flushed == [str(tmp_path / "data" / Q / "pending" / f"{posted.id}.json")]  # then its own file
+    as_posted = str(tmp_path / "data" / Q / "pending" / f"{posted.id}.json")
+    as_claimed = str(tmp_path / "data" / Q / "processing" / f"{posted.id}.json")
+    # then its own file, and the claim's new one where the claim replaced it
+    assert flushed == ([as_posted] if xattrs else [as_posted, as_claimed])
     assert str(tmp_path / "data" / Q / "processing") in directories  # and the directory naming it now
     assert store.read_item(queue=Q, item_id=posted.id).status == "processing"
     assert first.payload == "first"

@@ -193,15 +193,15 @@ async def claim(request: Request, queue: str) -> Answer:
     return Answer(200, {"items": claimed(items, config.max_attempts)})
 
 
-_giving_back: set[asyncio.Task] = set()  # kept referenced until they end
+_giving_back: set[asyncio.Future] = set()  # kept referenced until they end
 
 
 async def _claim_whole(store, config, max_items: int) -> list:
     """A claim that the request's cancellation cannot cut in two, leaving items claimed for
     nobody: if it comes while the claim waits (for an item's lock, or for its rest in a store
-    thread), the claim's items go back as soon as it ends. (At a stop, what the server has not
-    finished past its grace is cancelled, this too: those items wait for their lease.)"""
-    claiming = asyncio.ensure_future(run(store.claim_items, config=config, max_items=max_items))
+    thread), the claim's items go back as soon as it ends. (At a stop, what has not ended when the
+    grace is over may be cancelled: those items wait for their lease.)"""
+    claiming = run(store.claim_items, config=config, max_items=max_items)
     try:
         return await asyncio.shield(claiming)
     except asyncio.CancelledError:
@@ -213,19 +213,19 @@ def _give_back(store, config, claiming: asyncio.Future) -> None:
     if claiming.cancelled() or claiming.exception() is not None or not claiming.result():
         return
     releases = _given_back(config, claiming.result(), reason="shutdown")
-    task = asyncio.ensure_future(run(store.release_items, releases=releases))
-    _giving_back.add(task)
-    task.add_done_callback(_gave_back)
+    giving_back = run(store.release_items, releases=releases)
+    _giving_back.add(giving_back)
+    giving_back.add_done_callback(_gave_back)
 
 
 def _given_back(config, items: list, *, reason: str) -> list[Release]:
     return [Release(config, item.id, item.claim_token, reason=reason) for item in items]
 
 
-def _gave_back(task: asyncio.Task) -> None:
-    _giving_back.discard(task)
-    if not task.cancelled() and task.exception() is not None:
-        log.warning("could not give back the items of a cancelled claim", exc_info=task.exception())
+def _gave_back(giving_back: asyncio.Future) -> None:
+    _giving_back.discard(giving_back)
+    if not giving_back.cancelled() and giving_back.exception() is not None:
+        log.warning("could not give back the items of a cancelled claim", exc_info=giving_back.exception())
 
 
 @router.add("POST", "/api/queues/{queue}/items/{item_id}/result")

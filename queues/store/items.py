@@ -282,9 +282,7 @@ class ItemFiles:
 
     def _publish_one(self, queue: str, item: Item) -> None:
         """A single pending item: written to tmp/, moved in, then flushed through the descriptor
-        it was written with (no second open), and the directory that names it now: pending/, or
-        processing/ if a claim took it meanwhile (pending/ flushed after that would record it
-        gone)."""
+        it was written with (no second open), and where it is now (`_flush_where_it_is`)."""
         written = self.layout.tmp(queue, item.id)
         pending = self.layout.item(queue, "pending", item.id)
         made = moved = False
@@ -296,16 +294,33 @@ class ItemFiles:
                 self._claimable(queue, [item.id])
                 if self.fsync:
                     files.flush_open(fd, pending)
-                    if files.exists(pending):
-                        self.flush_states(queue, "pending")
-                    if not files.exists(pending):  # claimed before pending/ was flushed, or while
-                        self.flush_states(queue, "processing")
+                    self._flush_where_it_is(queue, item.id)
         except BaseException:  # its close too
             if moved:
                 self._take_back(queue, "pending", item.id)
             elif made:
                 files.remove_quietly(written)
             raise
+
+    def _flush_where_it_is(self, queue: str, item_id: str) -> None:
+        """Flush the directory that names a post's new item: pending/, or processing/ if a claim
+        took it meanwhile (pending/ flushed after that would record it gone), and again if a
+        claim or a re-queue moved it while that flush ran. A claim that replaced its file whole
+        (no xattrs) made a new file, flushed too. One that ended is on disk through its result's
+        flush."""
+        while True:
+            state = next((s for s in ("pending", "processing") if files.exists(self.layout.item(queue, s, item_id))), None)
+            if state is None:
+                return
+            path = self.layout.item(queue, state, item_id)
+            if state == "processing" and not self.claim_xattrs:
+                try:
+                    self.flush_files([path])
+                except FileNotFoundError:  # moved on meanwhile: look again
+                    continue
+            self.flush_states(queue, state)
+            if files.exists(path):
+                return
 
     def _take_back(self, queue: str, state: str, item_id: str) -> None:
         """Undo a move into `state`/ that cannot be made durable; from processing/ too, if another

@@ -48,6 +48,7 @@ class _OnLoop(greenlet.greenlet):
     """A transition running on the event loop; `ended` settles with its outcome."""
 
     ended: asyncio.Future
+    woke_others = False  # its next wait for the disk is gathered (let_woken_go_first)
 
 
 def taking(call: Callable[..., T], /, **kwargs) -> T:
@@ -82,9 +83,11 @@ def together(call: Callable[[list], list], request: object) -> Any:
     same turn of the loop, after them, while others have been coming (else at once); from a
     thread, out of the turn, for this request alone. Either way `call` has returned before any
     transition that asked goes on, so what a request holds (a file's descriptor) stays open."""
-    if isinstance(greenlet.getcurrent(), _OnLoop):
+    current = greenlet.getcurrent()
+    if isinstance(current, _OnLoop):
         on_this_loop = _OnThisLoop.of(asyncio.get_running_loop())
-        if on_this_loop.gathering():
+        if current.woke_others or on_this_loop.gathering():
+            current.woke_others = False
             return _suspend((call, request))
         (outcome,) = _answers(call, [request])
     else:
@@ -137,6 +140,8 @@ def on_loop(call: Callable[..., T], /, **kwargs) -> "asyncio.Future[T]":
     """Run `call(**kwargs)` on the event loop, from now: it has run up to its first wait (or its
     end) when this returns. Its outcome, a future to await; it runs to its end even if that
     future is cancelled meanwhile (the loop, not the caller, drives it)."""
+    if isinstance(greenlet.getcurrent(), _OnLoop):  # it would switch back into this one, not the loop
+        raise RuntimeError("a transition cannot start another on the loop")
     loop = asyncio.get_running_loop()
     transition = _OnLoop(partial(call, **kwargs))
     transition.ended = loop.create_future()
@@ -149,8 +154,9 @@ def let_woken_go_first() -> None:
     """The running transition has woken others waiting on this loop (a claim waiting for the
     item it posts): its next wait for the disk is gathered, so they run before the loop stops
     for the flush, and their part (a worker's) overlaps the disk's. From a thread, nothing."""
-    if isinstance(greenlet.getcurrent(), _OnLoop):
-        _OnThisLoop.of(asyncio.get_running_loop()).at_once = 0
+    current = greenlet.getcurrent()
+    if isinstance(current, _OnLoop):
+        current.woke_others = True
 
 
 async def transitions_ended(timeout: float) -> bool:
