@@ -441,6 +441,7 @@ async def test_a_waiting_claim_is_woken_by_a_post(token, no_recheck):
 
 async def test_a_woken_claim_sends_its_item_before_the_post_that_woke_it_is_flushed(token, no_recheck, monkeypatch):
     """So the worker works while the disk flushes the post; the post is answered once flushed."""
+    monkeypatch.setattr(get_registry(), "max_age", 3600)  # no reload of settings on the way, however slow the run
     store = get_store()
     await run(store.post_items, config=config("jobs"), items=[NewItem("alone")])  # flushed alone
     async with connected(token) as ws:

@@ -31,6 +31,7 @@ from .tallies import Tallies
 CLAIM_XATTR = "user.taskhoster"
 # of two copies a crash (or a failed unlink) left, the one that wins: the sweep keeps the same
 SEARCH_ORDER = ("done", "pending", "scheduled", "processing")
+MOVES_FOLLOWED = 8  # moves of a post's new item followed while it is flushed, before flushing all
 
 log = logging.getLogger(__name__)
 
@@ -303,24 +304,32 @@ class ItemFiles:
             raise
 
     def _flush_where_it_is(self, queue: str, item_id: str) -> None:
-        """Flush the directory that names a post's new item: pending/, or processing/ if a claim
-        took it meanwhile (pending/ flushed after that would record it gone), and again if a
-        claim or a re-queue moved it while that flush ran. A claim that replaced its file whole
-        (no xattrs) made a new file, flushed too. One that ended is on disk through its result's
-        flush."""
-        while True:
-            state = next((s for s in ("pending", "processing") if files.exists(self.layout.item(queue, s, item_id))), None)
+        """Flush the directory that names a post's new item now: pending/, or processing/ if a
+        claim took it meanwhile (pending/ flushed after that would record it gone), or wherever
+        else a result, a cancel or a release put it; and again if it moved while that flush ran
+        (threads and other processes go on meanwhile). After MOVES_FOLLOWED moves, every state's
+        directory is flushed."""
+        for _ in range(MOVES_FOLLOWED):
+            state = next((s for s in SEARCH_ORDER if files.exists(self.layout.item(queue, s, item_id))), None)
             if state is None:
-                return
-            path = self.layout.item(queue, state, item_id)
-            if state == "processing" and not self.claim_xattrs:
-                try:
-                    self.flush_files([path])
-                except FileNotFoundError:  # moved on meanwhile: look again
-                    continue
-            self.flush_states(queue, state)
-            if files.exists(path):
-                return
+                continue  # a move under way hid it: look again
+            try:
+                if self._flushed_there(queue, state, item_id):
+                    return
+            except FileNotFoundError:  # moved on meanwhile: look again
+                continue
+        self.flush_states(queue, *SEARCH_ORDER)
+
+    def _flushed_there(self, queue: str, state: str, item_id: str) -> bool:
+        """Flush `state`/, and where claims replace files whole (no xattrs) the item's file there
+        now; whether that same file is still there after."""
+        path = self.layout.item(queue, state, item_id)
+        seen = files.identity(path)
+        if not self.claim_xattrs:
+            self.flush_files([path])
+        self.flush_states(queue, state)
+        # with xattrs a claim records itself on the same file, which was flushed already
+        return files.identity(path) == seen or self.claim_xattrs
 
     def _take_back(self, queue: str, state: str, item_id: str) -> None:
         """Undo a move into `state`/ that cannot be made durable; from processing/ too, if another
