@@ -534,33 +534,8 @@ async def test_disconnect_leaves_alone_items_finished_or_claimed_since_by_someon
 
 
 async def test_an_item_claimed_for_a_socket_that_closed_meanwhile_goes_back_to_pending(token, no_recheck, monkeypatch):
-    store = get_store()
-    real_claim = store.claim_items
-    calls, claiming, finish_claim = [], threading.Event(), threading.Event()
-
-    def slow_claim(**kwargs):  # the second claim (the woken waiter's) is still on the disk at close
-        calls.append(kwargs)
-        if len(calls) == 2:
-            claiming.set()
-            finish_claim.wait(TIMEOUT)
-        return real_claim(**kwargs)
-
-    monkeypatch.setattr(store, "claim_items", slow_claim)
-    ws = WebsocketCommunicator(application, "/work", headers=auth(token))
-    await ws.connect()
-    await ws.send_json_to({"op": "claim", "queue": "jobs", "wait": 60})
-    await ask(ws, {"op": "nothing"})
-    [item_id] = post("jobs", 1)
-    assert await asyncio.to_thread(claiming.wait, TIMEOUT)
-    threading.Timer(0.2, finish_claim.set).start()
-    await ws.disconnect(timeout=TIMEOUT)
-    item = store.read_item(queue="jobs", item_id=item_id)
-    assert (item.status, item.attempts) == ("pending", 1)
-
-
-async def test_a_claim_still_waiting_for_a_lock_when_its_socket_closes_gives_its_items_back(token, no_recheck,
-                                                                                            monkeypatch):
-    """The claim goes on after the socket's tasks are cancelled; what it takes is re-queued."""
+    """A woken claim still waiting (on the loop, as for another's lock) when its socket closes
+    goes on after the socket's tasks are cancelled; what it takes is re-queued."""
     store = get_store()
     real_claim, gate = store.claim_items, Future()
     claims = []
