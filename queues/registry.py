@@ -1,6 +1,6 @@
 """Queue settings and API tokens as the hot paths see them: kept in memory and reloaded from the
-database at most once a second, so no request or frame makes an ORM call, and a change made in the
-admin reaches every server process within a second."""
+database in the background every half second or so, so no request or frame makes an ORM call or
+waits for a reload, and a change made in the admin reaches every server process within a second."""
 
 import asyncio
 import logging
@@ -17,6 +17,10 @@ from .store import QueueConfig
 from .threads import in_thread
 
 MAX_AGE_SECONDS = 1.0
+# of max_age: settings this old are reloaded in the background while callers go on with them (a
+# reload writes the tokens' last use, and SQLite's commit waits for the disk); only settings older
+# than max_age make a caller wait
+REFRESH_AHEAD = 0.5
 MISS_RELOAD_SECONDS = 0.1
 
 log = logging.getLogger(__name__)
@@ -60,7 +64,10 @@ class Registry:
 
     @property
     def stale(self) -> bool:
-        return time.monotonic() - self._loaded_at > self.max_age
+        return self._age() > self.max_age
+
+    def _age(self) -> float:
+        return time.monotonic() - self._loaded_at
 
     def load(self) -> None:
         """Read every queue and token (and record which tokens were used since last time)."""
@@ -69,6 +76,7 @@ class Registry:
             used, self._used = self._used, set()
             if used:
                 ApiToken.objects.filter(id__in=used).update(last_used_at=timezone.now())
+            read_at = time.monotonic()  # how old what is read now is: from here
             queues = {q.name: q.config() for q in Queue.objects.all()}
             tokens = {
                 t.token_hash: TokenGrant(
@@ -80,7 +88,7 @@ class Registry:
             close_old_connections()
         with self._lock:
             self._queues, self._tokens = queues, tokens
-            self._loaded_at = time.monotonic()
+            self._loaded_at = read_at
             self._loaded_once = True
 
     def _load_or_keep(self) -> None:
@@ -99,12 +107,16 @@ class Registry:
             self._db_thread.submit(self._load_or_keep).result()
 
     async def arefresh(self) -> None:
-        """Reload if stale; concurrent callers share one reload."""
-        if not self.stale:
+        """Start a reload in the background once the settings are REFRESH_AHEAD of max_age old;
+        wait for it only if they are older than max_age (the first load, a reload asked for at
+        once, a slow database). Concurrent callers share one reload."""
+        age = self._age()
+        if age < self.max_age * REFRESH_AHEAD:
             return
         if self._refreshing is None or self._refreshing.done():
-            self._refreshing = asyncio.ensure_future(in_thread(self._db_thread, self._load_or_keep))
-        await asyncio.shield(self._refreshing)
+            self._refreshing = in_thread(self._db_thread, self._load_or_keep)
+        if age > self.max_age:
+            await asyncio.shield(self._refreshing)
 
     def ping_database(self) -> bool:
         """True when the database answers a trivial query (for /healthz)."""

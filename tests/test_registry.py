@@ -1,6 +1,7 @@
 """The registry: cached queues and tokens that still see a brand-new one at once."""
 
 import asyncio
+import threading
 from concurrent.futures import ThreadPoolExecutor
 import time
 
@@ -45,6 +46,42 @@ async def test_unknown_names_reload_at_most_once_per_interval(monkeypatch):
         assert await registry.afind_token("th_unknown") is None
         assert await registry.afind_queue("nope") is None
     assert len(loads) == 1
+
+
+async def test_settings_past_half_their_max_age_are_reloaded_in_the_background_and_only_old_ones_wait(monkeypatch):
+    """A reload writes and reads the database (tens of ms on a busy disk): no caller waits for
+    one while the settings it has are under max_age old."""
+    registry = Registry(ThreadPoolExecutor(max_workers=1), max_age=60)
+    await registry.arefresh()
+    held, loads = threading.Event(), []
+    real_load = registry.load
+
+    def held_load():
+        loads.append("started")
+        held.wait(10)
+        real_load()
+
+    monkeypatch.setattr(registry, "load", held_load)
+    await registry.arefresh()
+    assert loads == []  # fresh: nothing to do
+
+    registry._loaded_at -= 45  # past REFRESH_AHEAD of max_age, under max_age
+    await asyncio.wait_for(registry.arefresh(), 5)  # returns while the reload is held
+    await asyncio.wait_for(registry.arefresh(), 5)  # and starts no second one
+    await asyncio.to_thread(lambda: [time.sleep(0.01) for _ in range(500) if not loads])
+    assert loads == ["started"] and registry._age() > 45
+    held.set()
+    await asyncio.wait_for(registry._refreshing, 10)
+    assert registry._age() < 5
+
+    held.clear()
+    registry._loaded_at -= 120  # older than max_age: the caller waits for the reload
+    waiting = asyncio.ensure_future(registry.arefresh())
+    await asyncio.sleep(0.2)
+    assert not waiting.done()
+    held.set()
+    await asyncio.wait_for(waiting, 10)
+    assert not registry.stale and loads == ["started"] * 2
 
 
 @pytest.mark.parametrize("method", ["load", "ping_database"])
