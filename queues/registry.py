@@ -61,6 +61,7 @@ class Registry:
         self._lock = threading.Lock()
         self._db_thread = database_thread  # every database read, so connections are reused
         self._refreshing: asyncio.Future | None = None
+        self._reloaded_after_miss_at = float("-inf")
 
     @property
     def stale(self) -> bool:
@@ -167,9 +168,15 @@ class Registry:
     async def _areload_after_miss(self) -> bool:
         """A token or queue made a moment ago should work at once, not up to a second later.
         At most one such reload per MISS_RELOAD_SECONDS, so unknown names cannot flood the
-        database. True if it reloaded."""
-        if time.monotonic() - self._loaded_at < MISS_RELOAD_SECONDS:
+        database (counted from the last such reload: background reloads come too often to count
+        from them). True if it reloaded."""
+        now = time.monotonic()
+        if now - self._reloaded_after_miss_at < MISS_RELOAD_SECONDS:
             return False
+        self._reloaded_after_miss_at = now
+        if self._refreshing is not None and not self._refreshing.done():
+            # one under way in the background may have read before the name was made: a new one
+            await asyncio.shield(self._refreshing)
         self.invalidate()
         await self.arefresh()
         return True

@@ -84,6 +84,30 @@ async def test_settings_past_half_their_max_age_are_reloaded_in_the_background_a
     assert not registry.stale and loads == ["started"] * 2
 
 
+async def test_a_token_made_while_a_background_reload_runs_works_at_once(monkeypatch):
+    """The reload under way may have read the tokens before it was made: a miss waits for that
+    one, then reloads again."""
+    registry = Registry(ThreadPoolExecutor(max_workers=1), max_age=60)
+    await registry.arefresh()
+    read, made = threading.Event(), threading.Event()
+    real_load = registry.load
+
+    def load_that_read_before():
+        real_load()  # reads the tokens now...
+        read.set()
+        made.wait(10)  # ...and ends after the new one was made
+
+    monkeypatch.setattr(registry, "load", load_that_read_before)
+    registry._loaded_at -= 45  # past REFRESH_AHEAD: the next call starts a reload in the background
+    await registry.arefresh()
+    assert await asyncio.to_thread(read.wait, 10)
+    raw = await sync_to_async(make_token)("made meanwhile")
+    monkeypatch.setattr(registry, "load", real_load)
+    asyncio.get_running_loop().call_later(0.1, made.set)
+    grant = await asyncio.wait_for(registry.afind_token(raw), 10)
+    assert grant is not None and grant.name == "made meanwhile"
+
+
 @pytest.mark.parametrize("method", ["load", "ping_database"])
 async def test_a_database_call_that_raises_stopiteration_fails_its_caller_rather_than_leave_it_waiting(
     monkeypatch, method
