@@ -22,14 +22,10 @@ class Bridge(Protocol):
     def publish(self, kind: str, queue: str, payload: object) -> None: ...
 
 
-def _wake(future: asyncio.Future) -> None:
+def _wake(future: asyncio.Future, woken: bool = True) -> None:
+    """A waiter's future settles with whether it was woken (False: its time ran out)."""
     if not future.done():
-        future.set_result(True)
-
-
-def _time_out(future: asyncio.Future) -> None:
-    if not future.done():
-        future.set_result(False)
+        future.set_result(woken)
 
 
 def _wake_soon(future: asyncio.Future) -> None:
@@ -130,7 +126,7 @@ class Hub:
             waiting[key].append(future)
         # a timer, not asyncio.wait_for: a wake-up then resumes the waiter in the loop's next
         # turn, not the one after it (a woken claim runs before a post's gathered flush)
-        timer = loop.call_later(timeout, _time_out, future)
+        timer = loop.call_later(timeout, _wake, future, False)
         try:
             return await future
         finally:

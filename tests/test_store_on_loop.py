@@ -395,6 +395,16 @@ async def test_a_transition_that_woke_others_lets_them_run_before_its_next_wait_
     assert order == ["flush", "woken"]
 
 
+async def test_where_claims_replace_files_a_post_left_where_it_landed_flushes_its_file_once(tmp_path, monkeypatch,
+                                                                                          flushed):
+    monkeypatch.setattr(files, "set_xattr", lambda path, name, value: False)
+    store = Store(tmp_path / "data", fsync=True)
+    store.ensure_queue(Q)
+    store._items.claim_xattrs = False  # as a first refused xattr leaves it
+    [posted] = await turn.on_loop(post_batch, store=store, queue=Q, payloads=["x"])
+    assert flushed == [str(tmp_path / "data" / Q / "pending" / f"{posted.id}.json")]
+
+
 async def test_a_posts_item_hidden_by_a_move_under_way_is_looked_for_again_and_its_directory_flushed(
         tmp_path, monkeypatch):
     store = Store(tmp_path / "data", fsync=True)

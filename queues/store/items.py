@@ -295,7 +295,7 @@ class ItemFiles:
                 self._claimable(queue, [item.id])
                 if self.fsync:
                     files.flush_open(fd, pending)
-                    self._flush_where_it_is(queue, item.id)
+                    self._flush_where_it_is(queue, item.id, fd)
         except BaseException:  # its close too
             if moved:
                 self._take_back(queue, "pending", item.id)
@@ -303,29 +303,29 @@ class ItemFiles:
                 files.remove_quietly(written)
             raise
 
-    def _flush_where_it_is(self, queue: str, item_id: str) -> None:
+    def _flush_where_it_is(self, queue: str, item_id: str, flushed_fd: int) -> None:
         """Flush the directory that names a post's new item now: pending/, or processing/ if a
         claim took it meanwhile (pending/ flushed after that would record it gone), or wherever
         else a result, a cancel or a release put it; and again if it moved while that flush ran
-        (threads and other processes go on meanwhile). After MOVES_FOLLOWED moves, every state's
-        directory is flushed."""
+        (threads and other processes go on meanwhile). `flushed_fd`: the post's file, flushed
+        already. After MOVES_FOLLOWED moves, every state's directory is flushed."""
         for _ in range(MOVES_FOLLOWED):
             state = next((s for s in SEARCH_ORDER if files.exists(self.layout.item(queue, s, item_id))), None)
             if state is None:
                 continue  # a move under way hid it: look again
             try:
-                if self._flushed_there(queue, state, item_id):
+                if self._flushed_there(queue, state, item_id, flushed_fd):
                     return
             except FileNotFoundError:  # moved on meanwhile: look again
                 continue
         self.flush_states(queue, *SEARCH_ORDER)
 
-    def _flushed_there(self, queue: str, state: str, item_id: str) -> bool:
+    def _flushed_there(self, queue: str, state: str, item_id: str, flushed_fd: int) -> bool:
         """Flush `state`/, and where claims replace files whole (no xattrs) the item's file there
-        now; whether that same file is still there after."""
+        now unless it is the one `flushed_fd` flushed; whether that same file is still there after."""
         path = self.layout.item(queue, state, item_id)
         seen = files.identity(path)
-        if not self.claim_xattrs:
+        if not self.claim_xattrs and seen[0] != os.fstat(flushed_fd).st_ino:
             self.flush_files([path])
         self.flush_states(queue, state)
         # with xattrs a claim records itself on the same file, which was flushed already
