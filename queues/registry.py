@@ -62,6 +62,7 @@ class Registry:
         self._db_thread = database_thread  # every database read, so connections are reused
         self._refreshing: asyncio.Future | None = None
         self._reloaded_after_miss_at = float("-inf")
+        self._reloading_after_miss: asyncio.Future | None = None
 
     @property
     def stale(self) -> bool:
@@ -169,17 +170,23 @@ class Registry:
         """A token or queue made a moment ago should work at once, not up to a second later.
         At most one such reload per MISS_RELOAD_SECONDS, so unknown names cannot flood the
         database (counted from the last such reload: background reloads come too often to count
-        from them). True if it reloaded."""
-        now = time.monotonic()
-        if now - self._reloaded_after_miss_at < MISS_RELOAD_SECONDS:
-            return False
-        self._reloaded_after_miss_at = now
+        from them); misses that come while one runs wait for it (a worker's first frames for a
+        new queue arrive together). True if it reloaded."""
+        if self._reloading_after_miss is None or self._reloading_after_miss.done():
+            now = time.monotonic()
+            if now - self._reloaded_after_miss_at < MISS_RELOAD_SECONDS:
+                return False
+            self._reloaded_after_miss_at = now
+            self._reloading_after_miss = asyncio.ensure_future(self._reload_now())
+        await asyncio.shield(self._reloading_after_miss)
+        return True
+
+    async def _reload_now(self) -> None:
         if self._refreshing is not None and not self._refreshing.done():
             # one under way in the background may have read before the name was made: a new one
             await asyncio.shield(self._refreshing)
         self.invalidate()
         await self.arefresh()
-        return True
 
     def invalidate(self) -> None:
         """Forget what is cached (tests, and this process's own admin changes)."""

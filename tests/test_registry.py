@@ -1,6 +1,7 @@
 """The registry: cached queues and tokens that still see a brand-new one at once."""
 
 import asyncio
+import contextlib
 import threading
 from concurrent.futures import ThreadPoolExecutor
 import time
@@ -33,6 +34,16 @@ async def test_a_token_and_a_queue_made_after_the_last_load_work_at_once():
     grant = await registry.afind_token(raw)
     assert grant is not None and grant.name == "new"
     assert (await registry.afind_queue("fresh")).name == "fresh"
+
+
+async def test_misses_that_come_while_a_miss_reload_runs_wait_for_it(monkeypatch):
+    """A worker's first frames for a queue made a moment ago arrive together: each must find it,
+    not only the first, even when the first waits for a background reload that read before."""
+    registry = Registry(ThreadPoolExecutor(max_workers=1), max_age=60)
+    async with background_reload_that_read_before(registry, monkeypatch):
+        await sync_to_async(save_queue)("together")
+    found = await asyncio.wait_for(asyncio.gather(*(registry.afind_queue("together") for _ in range(4))), 10)
+    assert [config and config.name for config in found] == ["together"] * 4
 
 
 async def test_unknown_names_reload_at_most_once_per_interval(monkeypatch):
@@ -84,26 +95,34 @@ async def test_settings_past_half_their_max_age_are_reloaded_in_the_background_a
     assert not registry.stale and loads == ["started"] * 2
 
 
-async def test_a_token_made_while_a_background_reload_runs_works_at_once(monkeypatch):
-    """The reload under way may have read the tokens before it was made: a miss waits for that
-    one, then reloads again."""
-    registry = Registry(ThreadPoolExecutor(max_workers=1), max_age=60)
+@contextlib.asynccontextmanager
+async def background_reload_that_read_before(registry, monkeypatch):
+    """Starts a background reload that reads the database at once and ends only a little after
+    the block (which makes something new): what comes after sees a reload under way that missed it."""
     await registry.arefresh()
     read, made = threading.Event(), threading.Event()
     real_load = registry.load
 
     def load_that_read_before():
-        real_load()  # reads the tokens now...
+        real_load()
         read.set()
-        made.wait(10)  # ...and ends after the new one was made
+        made.wait(10)
 
     monkeypatch.setattr(registry, "load", load_that_read_before)
-    registry._loaded_at -= 45  # past REFRESH_AHEAD: the next call starts a reload in the background
+    registry._loaded_at -= registry.max_age * 0.75  # past REFRESH_AHEAD: the next call reloads in the background
     await registry.arefresh()
     assert await asyncio.to_thread(read.wait, 10)
-    raw = await sync_to_async(make_token)("made meanwhile")
+    yield
     monkeypatch.setattr(registry, "load", real_load)
     asyncio.get_running_loop().call_later(0.1, made.set)
+
+
+async def test_a_token_made_while_a_background_reload_runs_works_at_once(monkeypatch):
+    """The reload under way may have read the tokens before it was made: a miss waits for that
+    one, then reloads again."""
+    registry = Registry(ThreadPoolExecutor(max_workers=1), max_age=60)
+    async with background_reload_that_read_before(registry, monkeypatch):
+        raw = await sync_to_async(make_token)("made meanwhile")
     grant = await asyncio.wait_for(registry.afind_token(raw), 10)
     assert grant is not None and grant.name == "made meanwhile"
 
