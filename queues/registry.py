@@ -1,6 +1,8 @@
 """Queue settings and API tokens as the hot paths see them: kept in memory and reloaded from the
-database in the background every half second or so, so no request or frame makes an ORM call or
-waits for a reload, and a change made in the admin reaches every server process within a second."""
+database in the background every half second or so, so no request or frame with known names
+makes an ORM call or waits for a reload, and a change made in the admin reaches every server
+process within a second. A name not known waits for a reload that reads after it came: a new
+queue or token works at once."""
 
 import asyncio
 import logging
@@ -62,7 +64,7 @@ class Registry:
         self._db_thread = database_thread  # every database read, so connections are reused
         self._refreshing: asyncio.Future | None = None
         self._reloaded_after_miss_at = float("-inf")
-        self._reloading_after_miss: asyncio.Future | None = None
+        self._next_miss_reload: asyncio.Future | None = None
 
     @property
     def stale(self) -> bool:
@@ -151,40 +153,43 @@ class Registry:
         return grant
 
     async def afind_token(self, raw: str | None) -> TokenGrant | None:
-        """The token's grant; an unknown token triggers one reload at once (it may be brand new)."""
+        """The token's grant; an unknown token is looked for again in the database (it may be
+        brand new)."""
         await self.arefresh()
         grant = self.authenticate(raw)
-        if grant is None and raw and await self._areload_after_miss():
+        if grant is None and raw:
+            await self._areload_after_miss()
             grant = self.authenticate(raw)
         return grant
 
     async def afind_queue(self, name: str) -> QueueConfig | None:
-        """The queue's settings; an unknown name triggers one reload at once (it may be brand new)."""
+        """The queue's settings; an unknown name is looked for again in the database (it may be
+        brand new)."""
         await self.arefresh()
         config = self.queue(name)
-        if config is None and await self._areload_after_miss():
+        if config is None:
+            await self._areload_after_miss()
             config = self.queue(name)
         return config
 
-    async def _areload_after_miss(self) -> bool:
-        """A token or queue made a moment ago should work at once, not up to a second later.
-        At most one such reload per MISS_RELOAD_SECONDS, so unknown names cannot flood the
-        database (counted from the last such reload: background reloads come too often to count
-        from them); misses that come while one runs wait for it (a worker's first frames for a
-        new queue arrive together). True if it reloaded."""
-        if self._reloading_after_miss is None or self._reloading_after_miss.done():
-            now = time.monotonic()
-            if now - self._reloaded_after_miss_at < MISS_RELOAD_SECONDS:
-                return False
-            self._reloaded_after_miss_at = now
-            self._reloading_after_miss = asyncio.ensure_future(self._reload_now())
-        await asyncio.shield(self._reloading_after_miss)
-        return True
+    async def _areload_after_miss(self) -> None:
+        """Wait for a reload that reads after this call began, so a token or queue made before a
+        request or frame came always works for it. Such reloads start at most once per
+        MISS_RELOAD_SECONDS, so unknown names cannot flood the database: misses meanwhile wait
+        for the next one, and share it."""
+        if self._next_miss_reload is None or self._next_miss_reload.done():
+            self._next_miss_reload = asyncio.ensure_future(self._reload_for_misses())
+        await asyncio.shield(self._next_miss_reload)
 
-    async def _reload_now(self) -> None:
+    async def _reload_for_misses(self) -> None:
+        wait = self._reloaded_after_miss_at + MISS_RELOAD_SECONDS - time.monotonic()
+        if wait > 0:
+            await asyncio.sleep(wait)
         if self._refreshing is not None and not self._refreshing.done():
-            # one under way in the background may have read before the name was made: a new one
-            await asyncio.shield(self._refreshing)
+            # one under way may have read before the misses came: a new one after it
+            await asyncio.wait([self._refreshing])
+        self._next_miss_reload = None  # a miss from here on may come after this reload reads
+        self._reloaded_after_miss_at = time.monotonic()
         self.invalidate()
         await self.arefresh()
 

@@ -46,17 +46,31 @@ async def test_misses_that_come_while_a_miss_reload_runs_wait_for_it(monkeypatch
     assert [config and config.name for config in found] == ["together"] * 4
 
 
-async def test_unknown_names_reload_at_most_once_per_interval(monkeypatch):
-    registry = Registry(ThreadPoolExecutor(max_workers=1))
+async def test_unknown_names_reload_at_most_once_per_interval_and_misses_meanwhile_share_one(monkeypatch):
+    registry = Registry(ThreadPoolExecutor(max_workers=1), max_age=60)  # no reloads but the misses'
     await registry.arefresh()
     loads = []
     real_load = registry.load
     monkeypatch.setattr(registry, "load", lambda: (loads.append(1), real_load()))
-    time.sleep(registry_module.MISS_RELOAD_SECONDS)
-    for _ in range(20):
-        assert await registry.afind_token("th_unknown") is None
-        assert await registry.afind_queue("nope") is None
+    flood = [registry.afind_token("th_unknown") for _ in range(20)] + [registry.afind_queue("nope") for _ in range(20)]
+    assert await asyncio.wait_for(asyncio.gather(*flood), 10) == [None] * 40
     assert len(loads) == 1
+
+    started = time.monotonic()
+    for _ in range(4):
+        assert await asyncio.wait_for(registry.afind_queue("nope"), 10) is None
+    assert len(loads) == 5
+    assert time.monotonic() - started >= 3.5 * registry_module.MISS_RELOAD_SECONDS
+
+
+async def test_a_queue_made_just_after_a_reload_for_an_unknown_name_is_found_at_once():
+    """A miss is answered from settings read after it came, even within the reloads' interval
+    (a worker whose queue is refused stops)."""
+    registry = Registry(ThreadPoolExecutor(max_workers=1))
+    await registry.arefresh()
+    assert await registry.afind_queue("typo") is None
+    await sync_to_async(save_queue)("made-just-after")
+    assert (await asyncio.wait_for(registry.afind_queue("made-just-after"), 10)).name == "made-just-after"
 
 
 async def test_settings_past_half_their_max_age_are_reloaded_in_the_background_and_only_old_ones_wait(monkeypatch):
