@@ -118,7 +118,7 @@ class Registry:
         if age < self.max_age * REFRESH_AHEAD:
             return
         if self._refreshing is None or self._refreshing.done():
-            self._refreshing = in_thread(self._db_thread, self._load_or_keep)
+            self._start_reload()
         if age > self.max_age:
             await asyncio.shield(self._refreshing)
 
@@ -190,8 +190,12 @@ class Registry:
             await asyncio.wait([self._refreshing])
         self._next_miss_reload = None  # a miss from here on may come after this reload reads
         self._reloaded_after_miss_at = time.monotonic()
-        self.invalidate()
-        await self.arefresh()
+        # not invalidate(): callers with known names go on with what they have meanwhile
+        await asyncio.shield(self._start_reload())
+
+    def _start_reload(self) -> asyncio.Future:
+        self._refreshing = in_thread(self._db_thread, self._load_or_keep)
+        return self._refreshing
 
     def invalidate(self) -> None:
         """Forget what is cached (tests, and this process's own admin changes)."""
