@@ -540,6 +540,18 @@ def test_extend_moves_the_lease_expiry(store, clock, config):
     assert store.sweep_queue(config=config).requeued == [item_id]
 
 
+def test_a_claim_and_an_extension_answer_the_times_a_read_shows(store, clock, config):
+    """Kept as the API shows them, to the millisecond: a claim made at an instant just short of
+    a half millisecond must not read back one millisecond later than its worker was told."""
+    (item_id,) = post(store)
+    clock.now = 1_796_000_001.0084999  # rounded to microseconds, then milliseconds: .009, not .008
+    claim = claim_one(store, config)
+    read = store.read_item(queue=Q, item_id=item_id).to_json()
+    assert (read["claimedAt"], read["leaseExpiresAt"]) == (claim.to_json()["claimedAt"], claim.to_json()["leaseExpiresAt"])
+    extended = store.extend_lease(queue=Q, item_id=item_id, seconds=60, claim_token=claim.claim_token)
+    assert store.read_item(queue=Q, item_id=item_id).to_json()["leaseExpiresAt"] == extended.to_json()["leaseExpiresAt"]
+
+
 def test_extend_of_an_item_not_processing_is_not_held(store, config):
     pending_id, done_id = post(store, 1, 2)
     with pytest.raises(NotHeld):

@@ -251,8 +251,10 @@ def decode(raw: bytes, *, state: str, queue: str, item_id: str, claim: bytes | N
 
 
 def encode_claim(item: Item) -> bytes:
-    # "attempts claimedAt leaseExpiresAt claimToken": small enough to live inside the inode
-    return f"{item.attempts} {item.claimed_at:.6f} {item.lease_expires_at:.6f} {item.claim_token}".encode()
+    # "attempts claimedAt leaseExpiresAt claimToken": small enough to live inside the inode. Times
+    # to the millisecond, as shown: rounded twice (to microseconds, then by ids.iso) a time could
+    # read back a millisecond later than the claim's answer said
+    return f"{item.attempts} {item.claimed_at:.3f} {item.lease_expires_at:.3f} {item.claim_token}".encode()
 
 
 def _claim_record(raw: bytes) -> tuple[int, float, float, str]:
