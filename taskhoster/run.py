@@ -44,6 +44,8 @@ class Run:
         self._leases = Leases(self.spawn)
         self._outbox = Outbox(self)
         self._handlers: dict[str, asyncio.Task | InThread] = {}  # item id -> its running handler
+        # item id -> whether a claim brought it again since its failed run's release went out
+        self._giving_back: dict[str, bool] = {}
         self._turn: asyncio.Handle | None = None  # the end-of-turn step, when one is due
         self._fatal: BaseException | None = None
 
@@ -139,7 +141,15 @@ class Run:
             return  # claimed again before our result for it went in: that result finishes it
         self._leases.hold(job, link)
         if job.id in self._handlers:
-            return  # it still runs, from a claim over a socket since lost
+            # it still runs, from a claim over a socket since lost; or its failed run is going
+            # back, and the server handed it out again before it answered: its next try, which
+            # starts when that answer comes (_finished)
+            if job.id in self._giving_back:
+                self._giving_back[job.id] = True
+            return
+        self._start(job)
+
+    def _start(self, job: Job) -> None:
         if self._in_threads:
             running = self._handlers[job.id] = InThread(self, job)
             self._threads.run(self._handler, (job.payload, job), running.returned)
@@ -155,7 +165,7 @@ class Run:
                 value, exc = None, error
             give_back = self._keep_outcome(job, value, exc)
             if give_back is not None:
-                await self._leases.give_back(job.id, delay=give_back.delay, error=give_back.error)
+                await self._send_back(job, give_back)
         finally:
             self._finished(job)
 
@@ -174,9 +184,17 @@ class Run:
 
     async def _give_back(self, job: Job, give_back: "GiveBack") -> None:
         try:
-            await self._leases.give_back(job.id, delay=give_back.delay, error=give_back.error)
+            await self._send_back(job, give_back)
         finally:
             self._finished(job)
+
+    async def _send_back(self, job: Job, give_back: "GiveBack") -> None:
+        self._giving_back[job.id] = False  # only a claim that comes from now on is its next try
+        try:
+            await self._leases.give_back(job.id, delay=give_back.delay, error=give_back.error)
+        except BaseException:  # cancelled (the grace period is over): no next try here
+            del self._giving_back[job.id]
+            raise
 
     def _keep_outcome(self, job: Job, value: Any, exc: BaseException | None) -> "GiveBack | None":
         """The handler's result, or its error as an in-band result, into the outbox; or, when
@@ -218,7 +236,11 @@ class Run:
 
     def _finished(self, job: Job) -> None:
         del self._handlers[job.id]
-        self._leases.let_go(job.id)
+        next_try = self._leases.job(job.id) if self._giving_back.pop(job.id, False) else None
+        if next_try is not None:
+            self._start(next_try)
+        else:
+            self._leases.let_go(job.id)
         self.nudge()
 
     async def _abandon_handlers(self) -> None:

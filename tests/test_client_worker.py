@@ -15,6 +15,7 @@ import pytest
 from websockets.asyncio.server import serve as serve_websocket
 
 import taskhoster.claims as claims_module
+import taskhoster.leases as leases_module
 import taskhoster.outbox as outbox_module
 from client_support import client_env, live_server
 from serverproc import PROJECT_DIR
@@ -28,6 +29,7 @@ QUEUES = {
     "errors": {},
     "broken": {},
     "retry": {},
+    "claimed-again": {},  # 60 s leases: an item dropped by its worker stays out past the test
     "slots": {},
     "batch": {},
     "unstored-one": {},
@@ -220,6 +222,34 @@ def test_on_error_release_puts_the_item_back_for_another_try(live, producer):
     with working(Worker(live.url, live.token, queues=["retry"], on_error="release"), flaky):
         assert producer.result("retry", item["id"], timeout=20) == {"done on attempt": 2}
     assert producer.get("retry", item["id"])["attempts"] == 2
+
+
+@pytest.mark.parametrize("kind", ["plain", "async"])
+def test_an_item_handed_out_again_before_its_release_is_answered_gets_its_next_try(live, producer, monkeypatch,
+                                                                                   kind):
+    """A failed run's item goes back, and the worker's own waiting claim (a free slot) may bring
+    it again before the server has answered the release: that claim is its next try."""
+    real_release = leases_module.release
+
+    async def release_answered_late(link, job, **options):
+        await real_release(link, job, **options)
+        await asyncio.sleep(0.3)  # by now the claim that brings it back has come
+
+    monkeypatch.setattr(leases_module, "release", release_answered_late)
+
+    def flaky(payload, job):
+        if job.attempts == 1:
+            raise ConnectionError("the first try fails")
+        return {"done on attempt": job.attempts}
+
+    async def async_flaky(payload, job):
+        return flaky(payload, job)
+
+    item = producer.post("claimed-again", kind)
+    worker = Worker(live.url, live.token, queues=["claimed-again"], concurrency=2, on_error="release")
+    with working(worker, flaky if kind == "plain" else async_flaky):
+        assert producer.result("claimed-again", item["id"], timeout=20) == {"done on attempt": 2}
+    assert producer.get("claimed-again", item["id"])["attempts"] == 2
 
 
 def test_the_worker_claims_only_as_many_items_as_it_has_free_slots(live, producer):
