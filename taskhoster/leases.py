@@ -79,6 +79,12 @@ class Leases:
         lease = self._held.get(item_id)
         return None if lease is None else lease.job
 
+    def holding(self, item_id: str) -> tuple[Job, Link] | None:
+        """The item's job and the socket it was claimed over, if that socket is still open (else
+        the server has put the item back in its queue)."""
+        lease = self._held.get(item_id)
+        return None if lease is None or lease.link.closed else (lease.job, lease.link)
+
     def held(self) -> list[tuple[Job, Link]]:
         return [(lease.job, lease.link) for lease in self._held.values()]
 

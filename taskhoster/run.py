@@ -236,11 +236,13 @@ class Run:
 
     def _finished(self, job: Job) -> None:
         del self._handlers[job.id]
-        next_try = self._leases.job(job.id) if self._giving_back.pop(job.id, False) else None
-        if next_try is not None:
-            self._start(next_try)
-        else:
+        next_try = self._leases.holding(job.id) if self._giving_back.pop(job.id, False) else None
+        if next_try is None or self.stopping:
+            if next_try is not None:  # as a claim answered after the stop: give it back
+                self.spawn(release(next_try[1], next_try[0]))
             self._leases.let_go(job.id)
+        else:
+            self._start(next_try[0])
         self.nudge()
 
     async def _abandon_handlers(self) -> None:

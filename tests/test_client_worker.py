@@ -30,6 +30,8 @@ QUEUES = {
     "broken": {},
     "retry": {},
     "claimed-again": {},  # 60 s leases: an item dropped by its worker stays out past the test
+    "claimed-again-lost": {},
+    "claimed-again-stop": {},
     "slots": {},
     "batch": {},
     "unstored-one": {},
@@ -250,6 +252,62 @@ def test_an_item_handed_out_again_before_its_release_is_answered_gets_its_next_t
     with working(worker, flaky if kind == "plain" else async_flaky):
         assert producer.result("claimed-again", item["id"], timeout=20) == {"done on attempt": 2}
     assert producer.get("claimed-again", item["id"])["attempts"] == 2
+
+
+def test_an_item_handed_out_again_over_a_socket_lost_before_the_release_is_answered_is_not_run_there(
+        live, producer, monkeypatch):
+    """The server put that claim's item back when the socket closed: the next try is the one a
+    claim over the next socket brings."""
+    real_release = leases_module.release
+
+    async def release_then_lose_the_socket(link, job, **options):
+        await real_release(link, job, **options)
+        await asyncio.sleep(0.3)  # the claim that brings it back comes first
+        await link.socket.close()
+        while not link.closed:  # answered once the link knows, before a new socket brings it back
+            await asyncio.sleep(0.005)
+
+    monkeypatch.setattr(leases_module, "release", release_then_lose_the_socket)
+    attempts = []
+
+    def flaky(payload, job):
+        attempts.append(job.attempts)
+        if job.attempts == 1:
+            raise ConnectionError("the first try fails")
+        return {"done on attempt": job.attempts}
+
+    item = producer.post("claimed-again-lost", "x")
+    worker = Worker(live.url, live.token, queues=["claimed-again-lost"], concurrency=2, on_error="release")
+    with working(worker, flaky):
+        assert producer.result("claimed-again-lost", item["id"], timeout=20) == {"done on attempt": 3}
+    assert attempts == [1, 3]
+
+
+def test_an_item_handed_out_again_before_its_release_is_answered_is_given_back_when_the_worker_stops(
+        live, producer, monkeypatch):
+    released = threading.Event()
+    real_release = leases_module.release
+
+    async def release_answered_late(link, job, **options):
+        await real_release(link, job, **options)
+        await asyncio.sleep(0.3)  # the claim that brings it back comes first
+        released.set()  # then the stop
+        await asyncio.sleep(0.3)
+
+    monkeypatch.setattr(leases_module, "release", release_answered_late)
+    attempts = []
+
+    def fails(payload, job):
+        attempts.append(job.attempts)
+        raise ConnectionError("fails")
+
+    item = producer.post("claimed-again-stop", "x")
+    worker = Worker(live.url, live.token, queues=["claimed-again-stop"], concurrency=2, on_error="release")
+    with working(worker, fails):
+        assert released.wait(20)
+        worker.stop()
+    assert attempts == [1]
+    assert producer.get("claimed-again-stop", item["id"])["status"] == "pending"
 
 
 def test_the_worker_claims_only_as_many_items_as_it_has_free_slots(live, producer):
