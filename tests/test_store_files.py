@@ -146,6 +146,24 @@ def test_a_state_directory_removed_while_running_is_made_again(store, config, re
     assert claim.id == held
 
 
+def test_a_new_file_whose_directory_is_removed_again_as_it_is_made_is_written_all_the_same(tmp_path, monkeypatch):
+    """A schedule slot's directory, empty, may be removed by another process's look for due items
+    the moment a post makes it again for its item's mark."""
+    real_make_directory = files.make_directory
+    removed = []
+
+    def made_then_removed(path):
+        real_make_directory(path)
+        if not removed:
+            removed.append(path)
+            os.rmdir(path)
+
+    monkeypatch.setattr(files, "make_directory", made_then_removed)
+    path = str(tmp_path / "slot" / "mark")
+    files.write_new(path, b"")
+    assert removed == [str(tmp_path / "slot")] and os.path.exists(path)
+
+
 @pytest.mark.parametrize("umask", [0o022, 0o000])
 def test_everything_the_store_makes_is_owner_only_whatever_the_umask(tmp_path, config, umask):
     old = os.umask(umask)

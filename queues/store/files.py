@@ -38,6 +38,7 @@ _START_WRITEBACK = hasattr(os, "posix_fadvise")  # not on macOS
 _READ_SIZE = 1 << 16
 
 MOST_SPARES = 256  # retired files kept for reuse, per directory; the rest are removed
+DIRECTORY_REMADE_TIMES = 8  # a new file's missing directory is made again at most this often
 LARGEST_SPARE = 4096  # bytes: a larger file is removed, not kept holding its blocks
 
 fault: Callable[[str, str], int | None] | None = None
@@ -138,11 +139,14 @@ def _open_new(path: str) -> tuple[int, bool]:
             raise
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
     _before("create", path)
-    try:
-        return os.open(path, flags, FILE_MODE), False
-    except FileNotFoundError:
-        make_directory(os.path.dirname(path))
-        return os.open(path, flags, FILE_MODE), False
+    for _ in range(DIRECTORY_REMADE_TIMES):
+        try:
+            return os.open(path, flags, FILE_MODE), False
+        except FileNotFoundError:
+            # made here, unless a removal of empty directories (a schedule slot that came and went)
+            # takes it away again before the file is in it
+            make_directory(os.path.dirname(path))
+    return os.open(path, flags, FILE_MODE), False
 
 
 def _write_all(fd: int, path: str, data: bytes) -> None:
