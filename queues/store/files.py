@@ -38,8 +38,8 @@ _START_WRITEBACK = hasattr(os, "posix_fadvise")  # not on macOS
 _READ_SIZE = 1 << 16
 
 MOST_SPARES = 256  # retired files kept for reuse, per directory; the rest are removed
-DIRECTORY_REMADE_TIMES = 8  # a new file's missing directory is made again at most this often
 LARGEST_SPARE = 4096  # bytes: a larger file is removed, not kept holding its blocks
+DIRECTORY_REMADE_TIMES = 8  # a new file's missing directory is made again at most this often
 
 fault: Callable[[str, str], int | None] | None = None
 _spares: dict[str, list[str]] = {}  # directory -> the retired files in it this process may reuse
