@@ -1,6 +1,7 @@
 """Beyond the seed, in the store: scheduled items and their promotion, releases with a delay and
 an error, maxAttempts on every re-queue path, retries and cancels, with the injected clock."""
 
+import errno
 import os
 from dataclasses import replace
 
@@ -11,6 +12,7 @@ from queues.exceptions import InvalidRequest, ItemNotFound, NotEnded, NotHeld
 from queues.store import ABSENT, NewItem, QueueConfig, Release, Store, files
 from queues.store.items import NoEvents
 from queues.store.layout import SLOT_SECONDS
+from conftest import alongside
 from store_support import Q, claim_one, files_in, first_listing_done, queue_dir, states_of
 from storekit import finish, release
 
@@ -180,6 +182,88 @@ def test_a_late_result_is_accepted_while_the_item_is_scheduled(store, clock, con
     clock.advance(61)
     assert store.promote_due(config=config) == []  # its mark only remained
     assert (store.read_item(queue=Q, item_id=item_id).result, states_of(store, item_id)) == ("late", ["done"])
+
+
+# ---- a mark due by the time its item shows -----------------------------------------------------
+
+
+def _once_before(where: str, action):
+    """For files.fault: `action` runs before the first file operation on a path holding `where`."""
+    armed = [True]
+
+    def hook(call, path):
+        if armed[0] and where in path:
+            armed[0] = False
+            action()
+
+    return hook
+
+
+def _looks_pass_the_slot_of(run_at, lookers, clock, config):
+    """Every process's look, once its clock is past the end of `run_at`'s slot: none finds the
+    mark, which is not made yet, and each passes that slot for good."""
+
+    def look():
+        clock.now = (int(run_at) // SLOT_SECONDS + 1) * SLOT_SECONDS + 0.5
+        assert [looker.promote_due(config=config) for looker in lookers] == [[]] * len(lookers)
+
+    return look
+
+
+def test_a_post_whose_run_at_and_slot_pass_before_its_mark_is_made_makes_its_item_pending(store, clock, config, monkeypatch):
+    other = alongside(store, clock=clock)
+    for looker in (store, other):
+        looker.promote_due(config=config)  # it listed the queue's slots: from now on the new ones only
+    run_at = (int(clock.now) // SLOT_SECONDS + 1) * SLOT_SECONDS - 0.001  # its slot ends a moment after it
+    monkeypatch.setattr(files, "fault", _once_before("/schedule/", _looks_pass_the_slot_of(run_at, [store, other], clock, config)))
+    (item_id,) = schedule(store, config, run_at)
+    assert states_of(store, item_id) == ["pending"] and due_marks(store) == []
+    assert claim_one(store, config).id == item_id
+
+
+def test_a_post_whose_mark_a_look_removed_before_its_item_showed_makes_its_item_pending(store, clock, config, monkeypatch):
+    other = alongside(store, clock=clock)
+    run_at = clock.now + 1
+
+    def look():
+        clock.now = run_at
+        assert other.promote_due(config=config) == []  # the mark came due without its item: removed as stale
+        assert due_marks(store) == []
+
+    monkeypatch.setattr(files, "fault", _once_before("/scheduled/", look))
+    (item_id,) = schedule(store, config, run_at)
+    assert states_of(store, item_id) == ["pending"]
+    assert claim_one(store, config).id == item_id
+
+
+def test_a_release_for_later_whose_slot_passes_before_its_mark_is_made_makes_its_item_pending(store, clock, config, monkeypatch):
+    (item_id,) = schedule(store, config, None)
+    claim = claim_one(store, config)
+    other = alongside(store, clock=clock)
+    for looker in (store, other):
+        looker.promote_due(config=config)
+    run_at = (int(clock.now) // SLOT_SECONDS + 1) * SLOT_SECONDS - 0.001
+    monkeypatch.setattr(files, "fault", _once_before("/schedule/", _looks_pass_the_slot_of(run_at, [store, other], clock, config)))
+    assert release(store, config, item_id, claim.claim_token, delay=run_at - clock.now).status == "scheduled"
+    assert states_of(store, item_id) == ["pending"] and due_marks(store) == []
+    assert (claim_one(store, config).id, store.read_item(queue=Q, item_id=item_id).attempts) == (item_id, 2)
+
+
+def test_a_post_whose_item_came_due_but_could_not_be_promoted_stands_and_a_later_look_promotes_it(store, clock, config, monkeypatch, caplog):
+    run_at = clock.now + 1
+
+    def hook(call, path):
+        if "/schedule/" in path:
+            clock.now = run_at  # due by the time the item shows
+        if call == "rename" and "/pending/" in path:
+            raise OSError(errno.EIO, "injected", path)
+
+    monkeypatch.setattr(files, "fault", hook)
+    (item_id,) = schedule(store, config, run_at)  # answered: the item is on disk, scheduled
+    monkeypatch.setattr(files, "fault", None)
+    assert states_of(store, item_id) == ["scheduled"] and len(due_marks(store)) == 1
+    assert "could not promote 1 items of jobs" in caplog.text
+    assert alongside(store, clock=clock).promote_due(config=config) == [item_id]
 
 
 # ---- release with delay and error --------------------------------------------------------------

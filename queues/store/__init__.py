@@ -8,6 +8,7 @@
     pending      this process's view of a queue's oldest pending ids
     items        one item on disk: read, write aside, move, end, claim record
     schedule     which scheduled items are due, from marks named for when
+    promote      moving scheduled items that came due to pending
     keys         idempotency keys: which item holds each, and their locks
     requeue      giving an item back: now, later, or ended at its maxAttempts
     transitions  the Store: one public method per transition

@@ -22,7 +22,7 @@ from .keys import Keys
 from .locks import QueueLocks
 from .pending import PendingIndex
 from .records import Item, Unreadable, decode, encode, encode_claim, is_error_result
-from .schedule import Schedule
+from .schedule import DueMark, Schedule
 from .tallies import Tallies
 
 # A claim (and an extension) records attempts, claim time, lease and claim token in this extended
@@ -224,7 +224,7 @@ class ItemFiles:
     def flush_states(self, queue: str, *names: str) -> None:
         self.flush(*(self.layout.directory(queue, name) for name in names))
 
-    def publish(self, queue: str, items: Sequence[Item]) -> None:
+    def publish(self, queue: str, items: Sequence[Item]) -> list[DueMark]:
         """Write new items and move them in, scheduled ones (with a `run_at`) into scheduled/ and
         the others into pending/: all of them on disk when it returns, or none of them left
         behind when it raises. A batch's files are flushed before any is moved in, so a batch
@@ -236,13 +236,15 @@ class ItemFiles:
 
         Pending items are in view for this process's claims, and waiting claims told, as soon as
         they may be claimed: a single one while it is flushed, so a worker's part overlaps the
-        disk's (were the flush to fail, the item is taken back out, from a claim too)."""
+        disk's (were the flush to fail, the item is taken back out, from a claim too).
+
+        Returns the marks of the scheduled items (see promote.promote_if_due)."""
         if len(items) == 1 and items[0].status == "pending" and items[0].key is None:
             self._publish_one(queue, items[0])
             self.observer.items_posted(queue, items)
-            return
+            return []
         written: list[str] = []
-        marks: list[str] = []
+        marks: list[DueMark] = []
         keys: dict[str, str] = {}  # item id -> its key's link
         try:
             for item in items:
@@ -254,7 +256,7 @@ class ItemFiles:
             ahead = self.schedule.directories(queue, marks) if marks else []
             self.flush(*ahead, *([self.layout.directory(queue, "keys")] if keys else []))
         except BaseException:
-            for path in written + marks + list(keys.values()):
+            for path in written + [mark.path for mark in marks] + list(keys.values()):
                 files.remove_quietly(path)
             raise
         moved: list[Item] = []
@@ -264,7 +266,7 @@ class ItemFiles:
                 moved.append(item)
             self.flush_states(queue, *sorted({item.status for item in items}))
         except BaseException:
-            for path in written[len(moved) :] + marks:
+            for path in written[len(moved) :] + [mark.path for mark in marks]:
                 files.remove_quietly(path)
             for item in moved:
                 self._take_back(queue, item.status, item.id)
@@ -274,6 +276,7 @@ class ItemFiles:
             raise
         self._claimable(queue, [item.id for item in items if item.status == "pending"])
         self.observer.items_posted(queue, items)
+        return marks
 
     def _claimable(self, queue: str, item_ids: list[str]) -> None:
         if item_ids:

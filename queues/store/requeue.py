@@ -7,6 +7,7 @@ from dataclasses import replace
 from typing import Any
 
 from .items import ItemFiles
+from .promote import promote_if_due
 from .records import ABSENT, Item, QueueConfig, failed
 
 NEVER_ENDS = ("shutdown",)  # reasons that never end an item for its attempts
@@ -22,7 +23,7 @@ def give_back(
     error: Any = ABSENT,
     reason: str,
 ) -> Item:
-    """Give back a processing item (under its lock); the item as it is now."""
+    """Give back a processing item (under its lock); the item as it was given back."""
     queue = config.name
     if error is not ABSENT:
         item = replace(item, last_error=error)
@@ -43,4 +44,6 @@ def give_back(
         items.flush(*items.schedule.directories(queue, [mark]))
     moved = items.move_rewritten(queue, back, "processing", target)
     items.observer.item_requeued(queue, moved, reason)
+    if target == "scheduled":
+        promote_if_due(items, config, [mark])
     return moved

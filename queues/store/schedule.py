@@ -6,8 +6,10 @@ when a process first looks at a queue and every RELIST_SECONDS after, for marks 
 passed by (made by a process whose clock is behind, or whose item could not be moved then).
 
 A mark is made, and flushed, before its item shows in scheduled/, so no scheduled item is ever
-without one; a mark whose item is no longer scheduled (it ended, or another process moved it) is
-simply removed when it comes due. Most marks are for the item's runAt, and the item can be moved
+without one; a mark whose item is not in scheduled/ (it ended, or another process moved it) is
+simply removed when it comes due. A mark that is due by the time its item shows is left to its
+maker, which promotes the item then (promote.py): a look may have passed its slot, or removed it
+as stale, before the item showed. Most marks are for the item's runAt, and the item can be moved
 without reading it; a mark for another moment (when the item ages out, or ends) is named
 `<due>.<id>.read`: its item is read to see what is due."""
 
@@ -46,20 +48,21 @@ class Schedule:
         self._listed_at: dict[str, float] = {}
         self._lock = threading.Lock()
 
-    def mark(self, queue: str, item_id: str, due: float, *, at_run_at: bool) -> str:
-        """Make the item's mark, not yet flushed (see `directories`); its path. `at_run_at`:
-        `due` is the item's runAt."""
-        path = self.layout.due_mark(queue, int(due * 1000), item_id) + ("" if at_run_at else READ_SUFFIX)
+    def mark(self, queue: str, item_id: str, due: float, *, at_run_at: bool) -> DueMark:
+        """Make the item's mark, not yet flushed (see `directories`). `at_run_at`: `due` is the
+        item's runAt."""
+        due_ms = int(due * 1000)
+        path = self.layout.due_mark(queue, due_ms, item_id) + ("" if at_run_at else READ_SUFFIX)
         try:
             files.write_new(path, b"")
         except FileExistsError:
             pass
-        return path
+        return DueMark(due_ms / 1000, item_id, path, at_run_at)
 
-    def directories(self, queue: str, marks: list[str]) -> list[str]:
+    def directories(self, queue: str, marks: list[DueMark]) -> list[str]:
         """What to flush so that these marks survive a power cut: their slots, and schedule/,
         which names the slots."""
-        return sorted({path.rsplit("/", 1)[0] for path in marks}) + [self.layout.directory(queue, "schedule")]
+        return sorted({mark.path.rsplit("/", 1)[0] for mark in marks}) + [self.layout.directory(queue, "schedule")]
 
     def due(self, queue: str, now: float) -> Due:
         """The marks due by `now`. The slots before the current one are looked at for good: once

@@ -53,6 +53,7 @@ from .records import (
     json_size,
     timed_out,
 )
+from .promote import promote, promote_if_due
 from .requeue import give_back
 from .schedule import DueMark
 
@@ -169,10 +170,12 @@ class Store:
             held = {new.key: item for new in items if new.key is not None and (item := self._posted_with_key(queue, new))}
             fresh = [new for new in items if new.key is None or new.key not in held]
             made: list[Item] = []
+            marks: list[DueMark] = []
             if fresh:
                 self._check_room()
                 made = [_made(item_id, queue, new, now) for item_id, new in zip(self._ids.new_ids(len(fresh), now), fresh)]
-                self._items.publish(queue, made)
+                marks = self._items.publish(queue, made)
+        promote_if_due(self._items, config, marks)
         made_in_order = iter(made)
         return [Posted(held[new.key], True) if new.key in held else Posted(next(made_in_order)) for new in items]
 
@@ -483,51 +486,9 @@ class Store:
         with _storage_errors:
             due = self._items.schedule.due(queue, now)
             for start in range(0, len(due.marks), PROMOTE_CHUNK):
-                promoted += self._promote_marks(config, due.marks[start:start + PROMOTE_CHUNK], now)
+                promoted += promote(self._items, config, due.marks[start:start + PROMOTE_CHUNK], now)
             self._items.schedule.passed(due)
         return promoted
-
-    def _promote_marks(self, config: QueueConfig, marks: list[DueMark], now: float) -> list[str]:
-        queue, moved = config.name, []
-        for mark in marks:
-            with self._items.lock(queue, mark.item_id):
-                if self._promote(config, mark, now):
-                    moved.append(mark.item_id)
-        if moved:  # on disk before their marks go, so none is left without both
-            self._items.flush_states(queue, "pending", "scheduled")
-            self._items.index(queue).push(moved)
-            self._items.events.items_available(queue, len(moved))
-        for mark in marks:
-            files.remove(mark.path)
-        return moved
-
-    def _promote(self, config: QueueConfig, mark: DueMark, now: float) -> bool:
-        """Promote one scheduled item whose mark came due (under its lock); whether it went to
-        pending. An item due at its runAt, and not aged out by its id's time, moves unread."""
-        queue, layout, item_id = config.name, self._items.layout, mark.item_id
-        scheduled = layout.item(queue, "scheduled", item_id)
-        if files.exists(layout.item(queue, "done", item_id)):
-            files.remove(scheduled)  # a copy a crash left, if any: done wins
-            return False
-        if mark.at_run_at and now - ids.id_millis(item_id) / 1000 <= config.queue_seconds:
-            try:
-                files.move(scheduled, layout.item(queue, "pending", item_id))
-            except FileNotFoundError:
-                return False  # ended, or moved by another process: its mark only remains
-            return True
-        item = self._items.read(queue, "scheduled", item_id)
-        if item is None:
-            return False
-        if now - item.posted_at > config.queue_seconds:
-            self._items.end(queue, "scheduled", timed_out(item, now))
-            return False
-        if item.run_at is not None and item.run_at > now:
-            # marked for its queue timeout, which was raised since: due at its run_at again
-            again = self._items.schedule.mark(queue, item_id, item.run_at, at_run_at=True)
-            self._items.flush(*self._items.schedule.directories(queue, [again]))
-            return False
-        files.move(scheduled, layout.item(queue, "pending", item_id))
-        return True
 
     def _found(self, queue: str, item_id: str) -> tuple[str, Item]:
         found = self._items.find(queue, item_id)

@@ -1,0 +1,76 @@
+"""Moving scheduled items whose marks came due to pending (those past their queue timeout are
+failed instead). A look for due items finds the marks (schedule.py); whoever schedules an item
+also checks its mark once the item is in scheduled/: a mark already due by then may have been
+passed by every look, or found by one before the item was there (and removed as stale), so its
+maker promotes it at once."""
+
+import logging
+
+from .. import ids
+from . import files
+from .items import ItemFiles
+from .records import QueueConfig, timed_out
+from .schedule import DueMark
+
+log = logging.getLogger(__name__)
+
+
+def promote(items: ItemFiles, config: QueueConfig, marks: list[DueMark], now: float) -> list[str]:
+    """Promote the items of these due marks, each under its lock, and remove the marks; the ids
+    moved to pending, claimable once this returns."""
+    queue, moved = config.name, []
+    for mark in marks:
+        with items.lock(queue, mark.item_id):
+            if _promote_one(items, config, mark, now):
+                moved.append(mark.item_id)
+    if moved:  # on disk before their marks go, so none is left without both
+        items.flush_states(queue, "pending", "scheduled")
+        items.index(queue).push(moved)
+        items.events.items_available(queue, len(moved))
+    for mark in marks:
+        files.remove(mark.path)
+    return moved
+
+
+def promote_if_due(items: ItemFiles, config: QueueConfig, marks: list[DueMark]) -> None:
+    """Promote now the items whose marks are due already; call once they are in scheduled/. A
+    failure is logged, not raised: the post or release that scheduled them stands, and a mark
+    still there brings its item to the next look that lists every slot."""
+    now = items.clock()
+    due = [mark for mark in marks if mark.due <= now]
+    if not due:
+        return
+    try:
+        promote(items, config, due, now)
+    except OSError:
+        log.warning("could not promote %d items of %s that came due as they were scheduled",
+                    len(due), config.name, exc_info=True)
+
+
+def _promote_one(items: ItemFiles, config: QueueConfig, mark: DueMark, now: float) -> bool:
+    """Promote one scheduled item whose mark came due (under its lock); whether it went to
+    pending. An item due at its runAt, and not aged out by its id's time, moves unread."""
+    queue, layout, item_id = config.name, items.layout, mark.item_id
+    scheduled = layout.item(queue, "scheduled", item_id)
+    if files.exists(layout.item(queue, "done", item_id)):
+        files.remove(scheduled)  # a copy a crash left, if any: done wins
+        return False
+    if mark.at_run_at and now - ids.id_millis(item_id) / 1000 <= config.queue_seconds:
+        try:
+            files.move(scheduled, layout.item(queue, "pending", item_id))
+        except FileNotFoundError:
+            return False  # ended, or moved by another process: its mark only remains
+        return True
+    item = items.read(queue, "scheduled", item_id)
+    if item is None:
+        return False
+    if now - item.posted_at > config.queue_seconds:
+        items.end(queue, "scheduled", timed_out(item, now))
+        return False
+    if item.run_at is not None and item.run_at > now:
+        # marked for its queue timeout, which was raised since: due at its run_at again
+        again = items.schedule.mark(queue, item_id, item.run_at, at_run_at=True)
+        items.flush(*items.schedule.directories(queue, [again]))
+        return False
+    files.move(scheduled, layout.item(queue, "pending", item_id))
+    return True
