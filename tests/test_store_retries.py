@@ -249,6 +249,22 @@ def test_a_release_for_later_whose_slot_passes_before_its_mark_is_made_makes_its
     assert (claim_one(store, config).id, store.read_item(queue=Q, item_id=item_id).attempts) == (item_id, 2)
 
 
+def test_an_item_marked_again_for_its_run_at_that_comes_due_meanwhile_is_promoted_by_that_look(store, clock, config, monkeypatch):
+    (held,) = schedule(store, config, None)
+    claim = claim_one(store, config)
+    release(store, config, held, claim.claim_token, delay=config.queue_seconds + 3 * SLOT_SECONDS)
+    (mark,) = due_marks(store)
+    assert mark.endswith(".read")  # due when it ages out, before its runAt
+    raised = replace(config, queue_seconds=config.queue_seconds * 3)
+    clock.advance(config.queue_seconds + SLOT_SECONDS + 1)  # the queue timeout's slot has ended
+    run_at = store.read_item(queue=Q, item_id=held).run_at
+    # this process's next look, while the mark for its runAt is being made
+    monkeypatch.setattr(files, "fault", _once_before(f"/schedule/{int(run_at) // SLOT_SECONDS}",
+                                                     _looks_pass_the_slot_of(run_at, [store], clock, raised)))
+    assert store.promote_due(config=raised) == [held]
+    assert states_of(store, held) == ["pending"] and due_marks(store) == []
+
+
 def test_a_post_whose_item_came_due_but_could_not_be_promoted_stands_and_a_later_look_promotes_it(store, clock, config, monkeypatch, caplog):
     run_at = clock.now + 1
 

@@ -71,6 +71,8 @@ def _promote_one(items: ItemFiles, config: QueueConfig, mark: DueMark, now: floa
         # marked for its queue timeout, which was raised since: due at its run_at again
         again = items.schedule.mark(queue, item_id, item.run_at, at_run_at=True)
         items.flush(*items.schedule.directories(queue, [again]))
-        return False
+        if again.due > items.clock():
+            return False
+        files.remove(again.path)  # due already, as any mark made meanwhile: moved by its maker
     files.move(scheduled, layout.item(queue, "pending", item_id))
     return True
