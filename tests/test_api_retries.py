@@ -60,6 +60,16 @@ async def test_a_batch_may_schedule_each_item(api, queues, tokens):
     assert [item["status"] for item in answer["items"]] == ["pending", "scheduled", "pending"]
 
 
+@pytest.mark.parametrize("beside", [{"delay": 60}, {"runAt": "2026-12-01T10:00:00Z"}, {"key": "k1"}, {"payload": 1}],
+                         ids=["delay", "runAt", "key", "payload"])
+async def test_a_batch_with_an_item_field_beside_its_items_is_400_and_stores_nothing(api, queues, tokens, beside):
+    """Taken for the whole batch, such a field would be silently dropped: refused instead."""
+    before = disk_snapshot()
+    answer = await api.post("/api/queues/jobs/items", json={"items": [{"payload": 0}], **beside}, headers=bearer(tokens["all"]))
+    assert (answer.status_code, answer.json()["error"]) == (400, "invalid_request")
+    assert disk_snapshot() == before
+
+
 async def test_a_scheduled_item_comes_due_and_is_claimed(api, queues, tokens):
     item = await call(api, tokens["all"], "POST", "/items", {"payload": 1, "delay": 0.5}, status=201)
     await sync_to_async(time.sleep)(0.6)

@@ -65,6 +65,9 @@ def _new_items(body: dict, header_key: str | None) -> tuple[list[NewItem], bool]
         return [NewItem(body["payload"], run_at_field(body, now=now), key)], False
     if header_key is not None:
         raise InvalidRequest('the Idempotency-Key header is for a single post: give each item of a batch its own "key"')
+    beside = sorted(set(body) - {"items"})
+    if beside:
+        raise InvalidRequest(f'a batch takes only "items": give each item its own {", ".join(map(repr, beside))}')
     entries = [json_object(e, allowed=ITEM_FIELDS, required={"payload"}, what="each item") for e in body["items"]]
     return [NewItem(entry["payload"], run_at_field(entry, now=now), _key_field(entry)) for entry in entries], True
 
