@@ -342,6 +342,27 @@ def test_an_item_that_had_its_max_attempts_ends_instead_of_going_back(store, clo
     assert store.count_items(queue=Q).failed == 1
 
 
+@pytest.mark.parametrize("path", ["release", "delayed release", "lease", "socket", "staff", "shutdown"])
+@pytest.mark.parametrize("max_attempts", [None, 1])
+def test_an_item_older_than_its_queue_allows_ends_timeout_instead_of_going_back(store, clock, config, path, max_attempts):
+    """G6, on every path back, before maxAttempts: the sweep's own pass may not have come yet."""
+    limited = replace(config, max_attempts=max_attempts)
+    (item_id,) = schedule(store, limited, None)
+    claim = claim_one(store, limited)
+    clock.advance(limited.queue_seconds + 1)
+    if path == "lease":
+        assert store.sweep_queue(config=limited).requeued == []
+    else:
+        token = None if path == "staff" else claim.claim_token
+        reason = "release" if path == "delayed release" else path
+        back = release(store, limited, item_id, token, reason=reason, error="late", delay=5 if path == "delayed release" else 0)
+        assert (back.status, back.error) == ("failed", "timeout")
+    item = store.read_item(queue=Q, item_id=item_id)
+    assert (item.status, item.error, states_of(store, item_id)) == ("failed", "timeout", ["done"])
+    if path != "lease":
+        assert item.last_error == "late"
+
+
 def test_a_stopping_server_gives_items_back_without_counting_their_tries(store, config):
     limited = replace(config, max_attempts=1)
     (item_id,) = schedule(store, limited, None)

@@ -1,14 +1,15 @@
 """Giving an item back for another try: to pending now, or to scheduled with a delay, with what
-went wrong kept as its lastError; or, once it had its queue's maxAttempts, ended failed
-`max_attempts` instead. Every re-queue goes through here: a worker's release, a socket closed,
-a lapsed lease, staff. Only a server that stops gives items back without counting their tries."""
+went wrong kept as its lastError; or ended instead: failed `timeout` once it is older than its
+queue allows (G6), else failed `max_attempts` once it had its queue's maxAttempts. Every re-queue
+goes through here: a worker's release, a socket closed, a lapsed lease, staff. Only a server that
+stops gives items back without counting their tries."""
 
 from dataclasses import replace
 from typing import Any
 
 from .items import ItemFiles
 from .promote import promote_if_due
-from .records import ABSENT, Item, QueueConfig, failed
+from .records import ABSENT, Item, QueueConfig, failed, timed_out
 
 NEVER_ENDS = ("shutdown",)  # reasons that never end an item for its attempts
 
@@ -27,6 +28,10 @@ def give_back(
     queue = config.name
     if error is not ABSENT:
         item = replace(item, last_error=error)
+    if now - item.posted_at > config.queue_seconds:
+        done = timed_out(item, now)
+        items.end(queue, "processing", done)
+        return done
     if config.max_attempts is not None and item.attempts >= config.max_attempts and reason not in NEVER_ENDS:
         done = failed(item, "max_attempts", now)
         items.end(queue, "processing", done)

@@ -110,11 +110,8 @@ def _requeue_lapsed(items: ItemFiles, config: QueueConfig, names: list[str]) -> 
             item = found[1]
             if item.lease_expires_at is not None and item.lease_expires_at > now:
                 continue  # extended meanwhile
-            if now - item.posted_at > config.queue_seconds:
-                items.end(queue, "processing", timed_out(item, now))
-                continue
             if give_back(items, config, item, now=now, reason="lease").status == "failed":
-                continue  # it had its maxAttempts
+                continue  # aged (G6), or it had its maxAttempts
         requeued.append(item_id)
     return requeued
 
