@@ -40,13 +40,12 @@ from .protocol import (
     value_field,
 )
 from .roster import Connection, roster
-from .runtime import get_registry, get_store, run
+from .runtime import get_registry, get_store, run, server_stopping
 from .store import ABSENT, QueueConfig, Release, single
 
 log = logging.getLogger(__name__)
 
 UNAUTHORIZED = 4401  # close code for a handshake without a valid token with the right to work
-SERVER_STOPPING = 1012  # the close code uvicorn gives every socket when the server stops
 
 FIELDS = {
     "claim": {"op", "ref", "queue", "max", "wait"},
@@ -76,6 +75,12 @@ def token_from(scope) -> str | None:
             return token
     tokens = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("token")
     return tokens[0] if tokens else None
+
+
+def _closing_reason() -> str:
+    """Why a socket's items go back: "shutdown" (its try not counted) only while this process's
+    server stops, whether it closed the socket (uvicorn, code 1012) or cancelled it (daphne)."""
+    return "shutdown" if server_stopping.is_set() else "socket"
 
 
 def parse_frame(data: str | bytes) -> dict:
@@ -135,14 +140,14 @@ class WorkConsumer(AsyncWebsocketConsumer):
         try:
             await super().__call__(scope, receive, send)
         except asyncio.CancelledError:
-            await self.let_go(reason="shutdown")  # daphne cancels every socket when it stops
+            await self.let_go(reason=_closing_reason())  # daphne cancels every socket when it stops
             raise
         finally:
             # also when a handler failed, which skips disconnect()
             await self.let_go(reason="socket")
 
     async def disconnect(self, code):
-        await self.let_go(reason="shutdown" if code == SERVER_STOPPING else "socket")
+        await self.let_go(reason=_closing_reason())
 
     async def let_go(self, *, reason: str) -> None:
         """Stop the waiting claims and re-queue every item this connection still holds (G8). A

@@ -12,6 +12,7 @@ Async code calls the store through `run`, and only here is it decided where each
 
 import asyncio
 import logging
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 
@@ -26,6 +27,10 @@ from .store import Store, turn
 from .threads import in_thread
 
 log = logging.getLogger(__name__)
+
+# set by the server (serving/) once it begins to stop: what its sockets hold then goes back
+# without counting the try; a worker's own close never does, whatever its close code
+server_stopping = threading.Event()
 
 STORE_THREADS = 2  # one runs while the other waits for the disk; more would only queue for the turn
 SCAN_THREADS = 2

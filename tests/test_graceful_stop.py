@@ -105,6 +105,19 @@ def test_sigterm_refuses_new_connections_lets_a_request_end_and_requeues_without
     assert "Stopped." in server.output()
 
 
+def test_under_daphne_too_a_stop_requeues_what_sockets_hold_without_ending_an_item(deployment):
+    with deployment.server(server="daphne") as server:
+        held_id = post(server, deployment.token, "once")
+        with connect(server.ws_url, additional_headers={"Authorization": f"Bearer {deployment.token}"}) as worker:
+            worker.send(json.dumps({"op": "claim", "queue": "once"}))
+            [claimed] = json.loads(worker.recv(timeout=WAIT))["items"]
+            assert (claimed["id"], claimed["maxAttempts"]) == (held_id, 1)
+            server.process.send_signal(signal.SIGTERM)
+            assert server.process.wait(WAIT) == 0
+    item = Store(deployment.data_dir, fsync=False).read_item(queue="once", item_id=held_id)
+    assert (item.status, item.attempts) == ("pending", 1)
+
+
 def test_a_second_signal_ends_the_grace_at_once(deployment):
     token = deployment.token
     with deployment.server() as server:

@@ -13,7 +13,7 @@ import pytest
 from channels.layers import InMemoryChannelLayer
 from channels.testing import WebsocketCommunicator
 
-from queues import consumers
+from queues import consumers, runtime
 from queues.bridge import ChannelBridge, group_name
 from queues.events import Hub, hub
 from queues.models import ApiToken
@@ -754,17 +754,39 @@ async def test_a_socket_drop_at_the_last_try_ends_the_item_max_attempts(one_try,
     assert (item.status, item.error) == ("failed", "max_attempts")
 
 
-@pytest.mark.parametrize("stop", ["uvicorn's close", "daphne's cancel"])
-async def test_a_server_that_stops_gives_items_back_without_counting_the_try(one_try, token, stop):
+@pytest.fixture
+def server_stopping():
+    """This process's server has begun to stop, as serve's uvicorn or daphne tells it."""
+    runtime.server_stopping.set()
+    yield
+    runtime.server_stopping.clear()
+
+
+async def _close_holding_one(token, close: str) -> str:
+    """Claim the one item posted, then end the socket as `close` says; the item's id."""
     [item_id] = post("jobs", 1)
     ws = WebsocketCommunicator(application, "/work", headers=auth(token))
     await ws.connect()
     await ask(ws, {"op": "claim", "queue": "jobs"})
-    if stop == "uvicorn's close":
-        await ws.send_input({"type": "websocket.disconnect", "code": consumers.SERVER_STOPPING})
-        await ws.wait(timeout=TIMEOUT)
-    else:
+    if close == "cancel":  # as daphne ends every socket when it stops
         ws.future.cancel()
         with pytest.raises(asyncio.CancelledError):
             await ws.future
+    else:  # code 1012 ("service restart") is what uvicorn closes every socket with when it stops
+        await ws.send_input({"type": "websocket.disconnect", "code": 1012})
+        await ws.wait(timeout=TIMEOUT)
+    return item_id
+
+
+@pytest.mark.parametrize("close", ["1012", "cancel"])
+async def test_a_server_that_stops_gives_items_back_without_counting_the_try(one_try, token, server_stopping, close):
+    item_id = await _close_holding_one(token, close)
     assert status("jobs", item_id) == "pending"
+
+
+@pytest.mark.parametrize("close", ["1012", "cancel"])
+async def test_a_socket_ended_so_while_the_server_runs_counts_the_try(one_try, token, close):
+    """A worker may close with 1012 too: that is no way around maxAttempts."""
+    item_id = await _close_holding_one(token, close)
+    item = get_store().read_item(queue="jobs", item_id=item_id)
+    assert (item.status, item.error) == ("failed", "max_attempts")

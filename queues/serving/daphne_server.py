@@ -6,6 +6,7 @@ from daphne.http_protocol import WebRequest
 from twisted.internet.protocol import Protocol
 from twisted.protocols.policies import ProtocolWrapper, WrappingFactory
 
+from ..runtime import server_stopping
 from .limits import (
     HEAD_TIMEOUT_SECONDS,
     KEEP_ALIVE_SECONDS,
@@ -142,6 +143,8 @@ def run(
         return defer.Deferred.fromFuture(asyncio.gather(*tasks, return_exceptions=True))
 
     reactor.callWhenRunning(start_background)
+    # before daphne's own trigger, which cancels every socket
+    reactor.addSystemEventTrigger("before", "shutdown", server_stopping.set)
     reactor.addSystemEventTrigger("before", "shutdown", stop_background)
     server.run()
     finish_leftover_tasks(daphne.server.twisted_loop)

@@ -8,6 +8,7 @@ from contextlib import contextmanager
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from ..runtime import server_stopping
 from .limits import (
     HEAD_TIMEOUT_SECONDS,
     HEAD_TOO_LARGE,
@@ -97,6 +98,7 @@ def run(
             # (systemd, a supervisor, a second Ctrl-C) ends the grace at once
             if self.should_exit:
                 self.force_exit = True
+            server_stopping.set()
             super().handle_exit(sig, frame)
 
     config = uvicorn.Config(
