@@ -2,6 +2,7 @@
 settings that would surprise them later, a host name outside ALLOWED_HOSTS; and that Django's
 `runserver` runs the sweep too."""
 
+import json
 import logging
 import socket
 import subprocess
@@ -10,8 +11,10 @@ import time
 
 import httpx
 import pytest
+from websockets.sync.client import connect
 
 from queues.serving.banner import banner, start_warnings
+from queues.store import Store
 from serverproc import MANAGE, PROJECT_DIR, Deployment
 
 
@@ -74,17 +77,22 @@ def test_a_host_outside_allowed_hosts_is_logged_with_the_variable_to_set(client,
     assert "restart with ALLOWED_HOSTS=localhost,<that name>" in caplog.text
 
 
-def test_runserver_runs_the_sweep(tmp_path):
-    """An item of a queue with a one-second life fails `timeout` under runserver too."""
-    deployment = Deployment(tmp_path)
-    deployment.prepare(queues=[])
-    deployment.create_queue("short", "--queue-seconds", "1")
+def _runserver(deployment: Deployment) -> tuple[subprocess.Popen, int]:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     server = subprocess.Popen([sys.executable, str(MANAGE), "runserver", "--noreload", f"127.0.0.1:{port}"],
                               cwd=PROJECT_DIR, env=deployment.environ(), stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True)
+    return server, port
+
+
+def test_runserver_runs_the_sweep(tmp_path):
+    """An item of a queue with a one-second life fails `timeout` under runserver too."""
+    deployment = Deployment(tmp_path)
+    deployment.prepare(queues=[])
+    deployment.create_queue("short", "--queue-seconds", "1")
+    server, port = _runserver(deployment)
     try:
         api = httpx.Client(base_url=f"http://127.0.0.1:{port}",
                            headers={"Authorization": f"Bearer {deployment.token}"}, timeout=10)
@@ -100,6 +108,27 @@ def test_runserver_runs_the_sweep(tmp_path):
         server.terminate()
         output, _ = server.communicate(timeout=30)
     assert "sweep runs beside this development server" in output
+
+
+def test_runserver_that_stops_gives_what_sockets_hold_back_without_counting_the_try(tmp_path):
+    deployment = Deployment(tmp_path)
+    deployment.prepare(queues=[])
+    deployment.create_queue("short", "--max-attempts", "1")
+    server, port = _runserver(deployment)
+    try:
+        api = httpx.Client(base_url=f"http://127.0.0.1:{port}",
+                           headers={"Authorization": f"Bearer {deployment.token}"}, timeout=10)
+        item = _post_when_up(api)
+        with connect(f"ws://127.0.0.1:{port}/work", additional_headers={"Authorization": f"Bearer {deployment.token}"}) as worker:
+            worker.send(json.dumps({"op": "claim", "queue": "short"}))
+            assert [held["id"] for held in json.loads(worker.recv(timeout=30))["items"]] == [item["id"]]
+            server.terminate()
+            assert server.wait(30) == 0  # not a crash at exit (it was SIGSEGV)
+    finally:
+        if server.poll() is None:
+            server.kill()
+    back = Store(deployment.data_dir, fsync=False).read_item(queue="short", item_id=item["id"])
+    assert (back.status, back.attempts) == ("pending", 1)
 
 
 def _post_when_up(api: httpx.Client) -> dict:

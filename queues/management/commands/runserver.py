@@ -4,9 +4,13 @@ would wait for good."""
 
 import threading
 
+import daphne.server  # first: installs Twisted's asyncio reactor
 from daphne.management.commands.runserver import Command as DaphneRunserver
+from twisted.internet import reactor
 
+from queues.runtime import server_stopping
 from queues.serving import start_sweeper
+from queues.serving.limits import finish_leftover_tasks
 
 
 class Command(DaphneRunserver):
@@ -16,6 +20,8 @@ class Command(DaphneRunserver):
     )
 
     def inner_run(self, *args, **options):
+        # as under serve: before daphne cancels every socket, so what they hold goes back untried
+        reactor.addSystemEventTrigger("before", "shutdown", server_stopping.set)
         stop = threading.Event()
         sweeping = start_sweeper(stop)
         self.stdout.write("Taskhoster's sweep runs beside this development server; `manage.py serve` is the one "
@@ -23,6 +29,7 @@ class Command(DaphneRunserver):
         try:
             return super().inner_run(*args, **options)
         finally:
+            finish_leftover_tasks(daphne.server.twisted_loop)  # as serve does: else SIGSEGV at exit
             stop.set()
             for thread in sweeping:
                 thread.join(1.0)
