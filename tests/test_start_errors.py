@@ -1,5 +1,7 @@
 """A database that cannot be reached at start: every command says so in one line on stderr that
-names DATABASE_URL, and exits 1, instead of a traceback."""
+names DATABASE_URL, and exits 1, instead of a traceback. And the data
+directory: serve makes it at its start, or says in one line why it cannot.
+"""
 
 import subprocess
 import sys
@@ -62,3 +64,29 @@ def test_traceback_still_shows_the_traceback_when_asked(tmp_path):
     assert done.returncode != 0
     assert "Traceback" in done.stderr and "OperationalError" in done.stderr
 
+
+
+def test_serve_makes_the_data_directory_before_it_serves_with_no_queue_yet(tmp_path):
+    deployment = Deployment(tmp_path)
+    deployment.prepare(queues=[])
+    assert not deployment.data_dir.exists()
+    server = subprocess.Popen([sys.executable, str(MANAGE), "serve", "--host", "127.0.0.1", "--port", "0"],
+                              cwd=PROJECT_DIR, env=deployment.environ(), stdout=subprocess.PIPE, text=True)
+    try:
+        assert "Taskhoster is serving" in server.stdout.readline()  # no request has come yet
+        assert deployment.data_dir.is_dir()
+    finally:
+        server.terminate()
+        server.communicate(timeout=30)
+
+
+def test_a_data_directory_that_cannot_be_made_is_told_in_one_line(tmp_path):
+    deployment = Deployment(tmp_path)
+    deployment.prepare(queues=[])
+    deployment.data_dir.write_text("a file where the data directory should be")
+
+    done = manage(deployment, "serve", "--host", "127.0.0.1", "--port", "0")
+
+    assert (done.returncode, done.stdout) == (1, "")
+    [line] = done.stderr.splitlines()
+    assert str(deployment.data_dir) in line and "TASKHOSTER_DATA_DIR" in line

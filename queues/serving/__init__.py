@@ -18,6 +18,7 @@ from django.core.management import call_command
 from django.core.management.base import CommandError
 
 from ..bridge import ChannelBridge
+from ..exceptions import StorageUnavailable
 from ..roster import RosterExchange, roster
 from ..runtime import get_registry, get_store
 from ..sweep import PROMOTE_SECONDS, Promoter, Sweeper
@@ -38,8 +39,13 @@ def prepare() -> None:
     call_command("migrate", interactive=False, verbosity=0)
     store = get_store()
     get_registry().refresh()
-    for config in get_registry().queues():
-        store.ensure_queue(config.name)
+    try:
+        store.make_data_directory()
+        for config in get_registry().queues():
+            store.ensure_queue(config.name)
+    except (StorageUnavailable, OSError) as exc:  # OSError: a file where a directory must be
+        raise CommandError(f"cannot use the data directory {settings.TASKHOSTER_DATA_DIR} "
+                           f"(TASKHOSTER_DATA_DIR): {exc}") from exc
 
 
 def start_sweeper(stop: threading.Event) -> list[threading.Thread]:

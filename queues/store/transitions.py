@@ -105,6 +105,11 @@ class Store:
 
     # ---- queues and health ------------------------------------------------------------------
 
+    def make_data_directory(self) -> None:
+        """Make the data directory, and its parents, if missing (a queue's are made as needed)."""
+        with _storage_errors:
+            files.make_directory(self._items.layout.root)
+
     def ensure_queue(self, queue: str) -> None:
         """Make the queue's directories; a no-op when they exist."""
         if not is_valid_queue_name(queue):
