@@ -1,7 +1,6 @@
 """A database that cannot be reached at start: every command says so in one line on stderr that
-names DATABASE_URL, and exits 1, instead of a traceback. And the data
-directory: serve makes it at its start, or says in one line why it cannot.
-"""
+names DATABASE_URL, and exits 1, instead of a traceback. The data directory: serve makes it at
+its start, or says in one line why it cannot."""
 
 import subprocess
 import sys
