@@ -195,6 +195,9 @@ def test_posts_stop_at_the_free_space_reserve_while_results_go_on(tmp_path, conf
     assert finish(full, config, item_id, "r").accepted
     assert not full.check_health().ok and store.check_health().ok
     assert files_in(store, "pending") == []
+    with pytest.raises(StorageUnavailable, match="nearly full"):  # a retry posts a new item too
+        full.retry_item(config=config, item_id=item_id)
+    assert files_in(store, "pending") == [] and store.read_item(queue=Q, item_id=item_id).retried_as is None
 
 
 def test_posts_that_share_a_failed_flush_all_fail_and_leave_nothing(tmp_path, monkeypatch):

@@ -385,6 +385,22 @@ def test_a_retry_posts_the_ended_item_again_once(store, clock, config):
     assert claim_one(store, config).id == new.id
 
 
+def test_a_retry_asked_again_once_its_new_item_was_deleted_retries_anew(store, clock, config):
+    fetched = replace(config, retain_from="fetched")  # kept until fetched: the old one is not
+    (old,) = schedule(store, fetched, None)
+    finish(store, fetched, old, "r")
+    first, _ = store.retry_item(config=fetched, item_id=old)
+    finish(store, fetched, first.id, "again")
+    store.read_item(queue=Q, item_id=first.id, fetch=True)
+    clock.advance(fetched.retain_seconds + 1)
+    assert store.sweep_queue(config=fetched).deleted == [first.id]
+    second, made = store.retry_item(config=fetched, item_id=old)
+    assert made and second.id != first.id and (second.status, second.retry_of) == ("pending", old)
+    assert store.read_item(queue=Q, item_id=old).retried_as == second.id
+    with pytest.raises(ItemNotFound):  # the deleted item's id is never used again
+        store.read_item(queue=Q, item_id=first.id)
+
+
 def test_a_retry_of_an_item_that_has_not_ended_is_refused(store, clock, config):
     (item_id,) = schedule(store, config, None)
     with pytest.raises(NotEnded):
@@ -395,14 +411,14 @@ def test_a_retry_of_an_item_that_has_not_ended_is_refused(store, clock, config):
         store.retry_item(config=config, item_id=never_posted)
 
 
-def test_a_retry_made_again_after_a_crash_between_its_two_steps_makes_the_same_item(store, config):
+def test_a_retry_made_again_after_a_crash_between_its_two_steps_makes_one_new_item(store, config):
     (old,) = schedule(store, config, None)
     finish(store, config, old, "r")
     new, _ = store.retry_item(config=config, item_id=old)
     os.remove(queue_dir(store) / "pending" / f"{new.id}.json")  # the crash came before the new item was in
-    again, made = store.retry_item(config=config, item_id=old)
-    assert (again.id, made) == (new.id, True)
-    assert states_of(store, new.id) == ["pending"]
+    again, made = store.retry_item(config=config, item_id=old)  # nobody was told of the lost one
+    assert made and store.read_item(queue=Q, item_id=old).retried_as == again.id
+    assert files_in(store, "pending") == [f"{again.id}.json"]
 
 
 def test_retries_racing_from_two_processes_make_one_item(tmp_path, clock, config):

@@ -444,8 +444,8 @@ class Store:
 
     def retry_item(self, *, config: QueueConfig, item_id: str) -> tuple[Item, bool]:
         """Post an ended item again as a new item (same payload, `retryOf` the old id), and
-        record `retriedAs` on the old one; asked again, the same new item as it is now. Whether
-        it was made now. NotEnded for an item that has not ended."""
+        record `retriedAs` on the old one; asked again, the same new item as it is now, while it
+        lasts. Whether it was made now. NotEnded for an item that has not ended."""
         queue = config.name
         self._check_item_id(queue, item_id)
         with _storage_errors, self._items.lock(queue, item_id):
@@ -453,14 +453,15 @@ class Store:
             if state != "done":
                 raise NotEnded(f"item {item_id} is {old.status}: only a finished or failed item can be retried")
             if old.retried_as is not None:
-                found = self._items.find(queue, old.retried_as)
+                # looked for twice, as a read does: a move under way may hide it once
+                found = self._items.find(queue, old.retried_as) or self._items.find(queue, old.retried_as)
                 if found is not None:
                     return found[1], False
-                new_id = old.retried_as  # recorded, then the new item was lost to a crash: made now
-            else:
-                (new_id,) = self._ids.new_ids(1, self.clock())
-                # recorded first, so a crash before the new item is made cannot make two of them
-                self._items.rewrite(queue, "done", replace(old, retried_as=new_id), mtime=old.finished_at)
+                # gone: lost to a crash before it was made, or ended and deleted since: retried anew
+            self._check_room()
+            (new_id,) = self._ids.new_ids(1, self.clock())
+            # recorded first, so a crash before the new item is made cannot make two of them
+            self._items.rewrite(queue, "done", replace(old, retried_as=new_id), mtime=old.finished_at)
             self.ensure_queue(queue)
             new = Item(id=new_id, queue=queue, status="pending", payload=old.payload, retry_of=item_id)
             self._items.publish(queue, [new])
