@@ -2,6 +2,8 @@
 
 import json
 import os
+import subprocess
+import sys
 import time
 from io import StringIO
 
@@ -12,6 +14,7 @@ from django.core.management.base import CommandError
 
 from queues.models import Queue
 from queues.runtime import get_store
+from serverproc import MANAGE, PROJECT_DIR, Deployment
 from queues.services import save_queue
 from queues.store import QueueConfig, Store
 from storekit import finish, post_batch
@@ -133,6 +136,24 @@ def test_createqueue_refuses_unparsable_options_and_changes_nothing(args, messag
         run("createqueue", "thumbs", *args)
     assert not Queue.objects.exists()
     assert queue_dirs() == []
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory) -> Deployment:
+    deployment = Deployment(tmp_path_factory.mktemp("installed"))
+    deployment.migrate()
+    return deployment
+
+
+@pytest.mark.parametrize("args", [["--retain-from", "read"], ["--lease-seconds", "ten"], ["--max-attempts", "x"],
+                                  ["--paused", "--unpaused"], ["--bogus"], ["--lease-seconds", "0"]], ids=str)
+def test_createqueue_on_the_command_line_tells_a_bad_value_in_one_line(installed, args):
+    done = subprocess.run([sys.executable, str(MANAGE), "createqueue", "thumbs", *args], cwd=PROJECT_DIR,
+                          env=installed.environ(), capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout) == (1, "")
+    [line] = done.stderr.splitlines()  # not argparse's usage as well
+    assert line.startswith("CommandError: ")
+    assert not (installed.data_dir / "thumbs").exists()
 
 
 def test_createqueue_refuses_when_the_data_directory_cannot_be_written(settings, tmp_path):

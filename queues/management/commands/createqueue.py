@@ -29,6 +29,19 @@ def _max_attempts(text: str):
 class Command(BaseCommand):
     help = "Create a queue, or change only the given settings of an existing one; prints it as JSON."
 
+    def create_parser(self, prog_name, subcommand, **kwargs):
+        parser = super().create_parser(prog_name, subcommand, **kwargs)
+        usage_and_error = parser.error
+
+        def error(message: str) -> None:
+            # one line, as for a value out of range, not argparse's usage before it
+            if parser.called_from_command_line:
+                parser.exit(1, f"CommandError: {message}\n")
+            usage_and_error(message)
+
+        parser.error = error
+        return parser
+
     def add_arguments(self, parser):
         parser.add_argument("name")
         parser.add_argument("--lease-seconds", type=int, help="1 to 86400")
