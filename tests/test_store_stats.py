@@ -5,6 +5,7 @@ from dataclasses import replace
 import pytest
 
 from conftest import alongside
+from queues.store import NewItem
 from store_support import Q, post
 from storekit import finish
 
@@ -24,6 +25,16 @@ def test_count_items_counts_each_state(store, clock, config):
     counts = alongside(store, clock=clock).count_items(queue=Q)
     assert (counts.pending, counts.processing, counts.finished, counts.failed) == (0, 0, 2, 4)
     assert counts.oldest_pending_posted_at is None
+
+
+def test_counts_leave_out_names_that_are_not_item_files_in_every_state(store, clock, config):
+    (scheduled,) = [p.item.id for p in store.post_items(config=config, items=[NewItem(1, run_at=clock.now + 60)])]
+    post(store, 2)
+    for state in ("scheduled", "pending", "processing", "done"):
+        for stray in ("notes.txt", ".hidden", "a-directory.json.tmp"):
+            (store.data_dir / Q / state / stray).write_text("")
+    counts = store.count_items(queue=Q)
+    assert (counts.scheduled, counts.pending, counts.processing, counts.finished) == (1, 1, 0, 0)
 
 
 ERROR = {"error": {"type": "ValueError", "message": "no such image", "traceback": "Traceback ..."}}

@@ -18,7 +18,7 @@ def _ids_in(layout: Layout, queue: str, state: str) -> list[str]:
 
 
 def count_items(layout: Layout, queue: str) -> Counts:
-    scheduled = len(files.names(layout.directory(queue, "scheduled")))
+    scheduled = len(_ids_in(layout, queue, "scheduled"))
     pending = _ids_in(layout, queue, "pending")
     processing = _ids_in(layout, queue, "processing")
     done = _ids_in(layout, queue, "done")
