@@ -141,3 +141,23 @@ def test_a_grace_below_zero_or_not_a_number_stops_the_start_with_what_to_set(tmp
                           capture_output=True, text=True, timeout=60)
     assert done.returncode != 0
     assert "TASKHOSTER_STOP_GRACE_SECONDS to 0 or more seconds" in done.stderr and value in done.stderr
+
+
+@pytest.mark.parametrize("server", ["uvicorn", "daphne"])
+def test_sigint_stops_a_serve_started_with_sigint_ignored(tmp_path, server):
+    """As a background job of a script is started: serve still stops on Ctrl-C's signal."""
+    deployment = Deployment(tmp_path)
+    deployment.prepare(queues=[])
+    process = subprocess.Popen(
+        [sys.executable, str(MANAGE), "serve", "--host", "127.0.0.1", "--port", "0", "--server", server],
+        cwd=PROJECT_DIR, env=deployment.environ(), stdout=subprocess.PIPE, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    )
+    try:
+        assert "Taskhoster is serving" in process.stdout.readline()
+        process.send_signal(signal.SIGINT)
+        assert process.wait(WAIT) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.communicate()

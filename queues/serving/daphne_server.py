@@ -1,6 +1,7 @@
 """Serving with daphne (`serve --server daphne`), the server of `runserver`."""
 
 import asyncio
+import signal
 
 from daphne.http_protocol import WebRequest
 from twisted.internet.protocol import Protocol
@@ -142,6 +143,9 @@ def run(
             task.cancel()
         return defer.Deferred.fromFuture(asyncio.gather(*tasks, return_exceptions=True))
 
+    # Twisted takes SIGINT only from Python's own handler: a serve started with SIGINT ignored (a
+    # background job of a script) would never stop on it, where uvicorn's does
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     reactor.callWhenRunning(start_background)
     # before daphne's own trigger, which cancels every socket
     reactor.addSystemEventTrigger("before", "shutdown", server_stopping.set)
