@@ -12,7 +12,7 @@ from queues.exceptions import InvalidRequest, ItemNotFound, NotEnded, NotHeld
 from queues.store import ABSENT, NewItem, QueueConfig, Release, Store, files
 from queues.store.items import NoEvents
 from queues.store.layout import SLOT_SECONDS
-from conftest import alongside
+from conftest import FakeClock, alongside
 from store_support import Q, claim_one, files_in, first_listing_done, queue_dir, states_of
 from storekit import finish, release
 
@@ -216,7 +216,9 @@ def test_a_post_whose_run_at_and_slot_pass_before_its_mark_is_made_makes_its_ite
         looker.promote_due(config=config)  # it listed the queue's slots: from now on the new ones only
     run_at = (int(clock.now) // SLOT_SECONDS + 1) * SLOT_SECONDS - 0.001  # its slot ends a moment after it
     monkeypatch.setattr(files, "fault", _once_before("/schedule/", _looks_pass_the_slot_of(run_at, [store, other], clock, config)))
-    (item_id,) = schedule(store, config, run_at)
+    (posted,) = store.post_items(config=config, items=[NewItem("p", run_at=run_at)])
+    item_id = posted.item.id
+    assert posted.item.status == "pending"  # answered as it is now
     assert states_of(store, item_id) == ["pending"] and due_marks(store) == []
     assert claim_one(store, config).id == item_id
 
@@ -236,6 +238,44 @@ def test_a_post_whose_mark_a_look_removed_before_its_item_showed_makes_its_item_
     assert claim_one(store, config).id == item_id
 
 
+def test_a_post_whose_mark_a_look_ahead_of_its_clock_removed_makes_it_again(store, clock, config, monkeypatch):
+    """Hosts sharing a data directory: the look's clock is ahead of the post's, so the mark is
+    due for the look before the item shows, and not yet due for the post."""
+    ahead = FakeClock(clock.now + 5)
+    other = alongside(store, clock=ahead)
+    run_at = clock.now + 1
+
+    def look():
+        assert other.promote_due(config=config) == [] and due_marks(store) == []  # removed as stale
+
+    monkeypatch.setattr(files, "fault", _once_before("/scheduled/", look))
+    (item_id,) = schedule(store, config, run_at)
+    assert states_of(store, item_id) == ["scheduled"] and len(due_marks(store)) == 1  # made again
+    clock.advance(1)
+    assert store.promote_due(config=config) == [item_id]
+
+
+def test_a_post_whose_mark_a_look_removed_and_that_could_not_be_promoted_keeps_a_mark(store, clock, config, monkeypatch, caplog):
+    other = alongside(store, clock=clock)
+    run_at = clock.now + 1
+    looked = []
+
+    def hook(call, path):
+        if "/scheduled/" in path and not looked:
+            clock.now = run_at
+            assert other.promote_due(config=config) == []  # the mark came due without its item: removed
+            looked.append(True)
+        if looked and call == "rename" and "/pending/" in path:  # the post's own promotion fails
+            raise OSError(errno.EIO, "injected", path)
+
+    monkeypatch.setattr(files, "fault", hook)
+    (item_id,) = schedule(store, config, run_at)
+    monkeypatch.setattr(files, "fault", None)
+    assert states_of(store, item_id) == ["scheduled"] and len(due_marks(store)) == 1
+    assert "could not promote the items of jobs" in caplog.text
+    assert alongside(store, clock=clock).promote_due(config=config) == [item_id]
+
+
 def test_a_release_for_later_whose_slot_passes_before_its_mark_is_made_makes_its_item_pending(store, clock, config, monkeypatch):
     (item_id,) = schedule(store, config, None)
     claim = claim_one(store, config)
@@ -244,7 +284,7 @@ def test_a_release_for_later_whose_slot_passes_before_its_mark_is_made_makes_its
         looker.promote_due(config=config)
     run_at = (int(clock.now) // SLOT_SECONDS + 1) * SLOT_SECONDS - 0.001
     monkeypatch.setattr(files, "fault", _once_before("/schedule/", _looks_pass_the_slot_of(run_at, [store, other], clock, config)))
-    assert release(store, config, item_id, claim.claim_token, delay=run_at - clock.now).status == "scheduled"
+    assert release(store, config, item_id, claim.claim_token, delay=run_at - clock.now).status == "pending"
     assert states_of(store, item_id) == ["pending"] and due_marks(store) == []
     assert (claim_one(store, config).id, store.read_item(queue=Q, item_id=item_id).attempts) == (item_id, 2)
 
@@ -278,7 +318,7 @@ def test_a_post_whose_item_came_due_but_could_not_be_promoted_stands_and_a_later
     (item_id,) = schedule(store, config, run_at)  # answered: the item is on disk, scheduled
     monkeypatch.setattr(files, "fault", None)
     assert states_of(store, item_id) == ["scheduled"] and len(due_marks(store)) == 1
-    assert "could not promote 1 items of jobs" in caplog.text
+    assert "could not promote the items of jobs" in caplog.text
     assert alongside(store, clock=clock).promote_due(config=config) == [item_id]
 
 

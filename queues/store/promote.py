@@ -1,8 +1,8 @@
 """Moving scheduled items whose marks came due to pending (those past their queue timeout are
 failed instead). A look for due items finds the marks (schedule.py); whoever schedules an item
 also checks its mark once the item is in scheduled/: a mark already due by then may have been
-passed by every look, or found by one before the item was there (and removed as stale), so its
-maker promotes it at once."""
+passed by every look, so its maker promotes the item at once; one a look found before the item
+was there was removed as stale, so its maker makes it again."""
 
 import logging
 
@@ -32,19 +32,24 @@ def promote(items: ItemFiles, config: QueueConfig, marks: list[DueMark], now: fl
     return moved
 
 
-def promote_if_due(items: ItemFiles, config: QueueConfig, marks: list[DueMark]) -> None:
-    """Promote now the items whose marks are due already; call once they are in scheduled/. A
-    failure is logged, not raised: the post or release that scheduled them stands, and a mark
-    still there brings its item to the next look that lists every slot."""
-    now = items.clock()
-    due = [mark for mark in marks if mark.due <= now]
-    if not due:
-        return
+def promote_if_due(items: ItemFiles, config: QueueConfig, marks: list[DueMark]) -> set[str]:
+    """Call once the items of these marks are in scheduled/: a mark a look removed as stale
+    (due, with no item there yet) is made again, and the items whose marks are due already are
+    promoted now; the ids promoted. A failure is logged, not raised: the post or release that
+    scheduled them stands, and their marks bring them to a later look."""
     try:
-        promote(items, config, due, now)
+        gone = [mark for mark in marks if not files.exists(mark.path)]
+        for mark in gone:
+            items.schedule.write(mark)
+        if gone:
+            items.flush(*items.schedule.directories(config.name, gone))
+        now = items.clock()
+        due = [mark for mark in marks if mark.due <= now]
+        return set(promote(items, config, due, now)) if due else set()
     except OSError:
-        log.warning("could not promote %d items of %s that came due as they were scheduled",
-                    len(due), config.name, exc_info=True)
+        log.warning("could not promote the items of %s that came due as they were scheduled", config.name,
+                    exc_info=True)
+        return set()
 
 
 def _promote_one(items: ItemFiles, config: QueueConfig, mark: DueMark, now: float) -> bool:

@@ -24,7 +24,7 @@ def give_back(
     error: Any = ABSENT,
     reason: str,
 ) -> Item:
-    """Give back a processing item (under its lock); the item as it was given back."""
+    """Give back a processing item (under its lock); the item as it is now."""
     queue = config.name
     if error is not ABSENT:
         item = replace(item, last_error=error)
@@ -49,6 +49,6 @@ def give_back(
         items.flush(*items.schedule.directories(queue, [mark]))
     moved = items.move_rewritten(queue, back, "processing", target)
     items.observer.item_requeued(queue, moved, reason)
-    if target == "scheduled":
-        promote_if_due(items, config, [mark])
+    if target == "scheduled" and promote_if_due(items, config, [mark]):
+        return replace(moved, status="pending")
     return moved

@@ -180,8 +180,8 @@ class Store:
                 self._check_room()
                 made = [_made(item_id, queue, new, now) for item_id, new in zip(self._ids.new_ids(len(fresh), now), fresh)]
                 marks = self._items.publish(queue, made)
-        promote_if_due(self._items, config, marks)
-        made_in_order = iter(made)
+        promoted = promote_if_due(self._items, config, marks)
+        made_in_order = (replace(item, status="pending") if item.id in promoted else item for item in made)
         return [Posted(held[new.key], True) if new.key in held else Posted(next(made_in_order)) for new in items]
 
     def _posted_with_key(self, queue: str, new: NewItem) -> Item | None:
