@@ -3,6 +3,8 @@ an error, maxAttempts on every re-queue path, retries and cancels, with the inje
 
 import errno
 import os
+import subprocess
+import sys
 from dataclasses import replace
 
 import pytest
@@ -14,6 +16,7 @@ from queues.store.items import NoEvents
 from queues.store.layout import SLOT_SECONDS
 from conftest import FakeClock, alongside
 from store_support import Q, claim_one, files_in, first_listing_done, queue_dir, states_of
+from serverproc import PROJECT_DIR
 from storekit import finish, release
 
 
@@ -459,6 +462,48 @@ def test_a_retry_made_again_after_a_crash_between_its_two_steps_makes_one_new_it
     again, made = store.retry_item(config=config, item_id=old)  # nobody was told of the lost one
     assert made and store.read_item(queue=Q, item_id=old).retried_as == again.id
     assert files_in(store, "pending") == [f"{again.id}.json"]
+
+
+def _elsewhere(data_dir, code: str, *, within: float = 2.0) -> bool:
+    """Run `code` (with `store`, a Store over `data_dir`) in another process, as a transition of
+    another server would be; whether it ended within `within` seconds (else it is stopped: it was
+    waiting for a lock)."""
+    script = f"from queues.store import *\nstore = Store({str(data_dir)!r}, fsync=False)\n{code}"
+    try:
+        subprocess.run([sys.executable, "-c", script], cwd=PROJECT_DIR, check=True, timeout=within)
+        return True
+    except subprocess.TimeoutExpired:
+        return False
+
+
+def test_a_retry_asked_again_finds_its_new_item_though_another_process_moves_it_meanwhile(store, clock, config, monkeypatch):
+    """Another process gives the new item back (to pending/), then finishes it (to done/), each
+    just after a look passed the state the item moves to (a look goes done/, pending/, scheduled/,
+    processing/). Looked for twice without the new item's lock, it was missed twice, and a second
+    new item made."""
+    lasting = replace(config, queue_seconds=30 * 86400)  # the other process's clock is the real one
+    (old,) = schedule(store, lasting, None)
+    finish(store, lasting, old, "r")
+    new, _ = store.retry_item(config=lasting, item_id=old)
+    claim = claim_one(store, lasting)
+    setting = f"QueueConfig({Q!r}, queue_seconds={lasting.queue_seconds})"
+    moves = [  # as a look is about to read there, in turn: a move into a state it passed already
+        (f"/scheduled/{new.id}", f"store.release_items(releases=[Release({setting}, {new.id!r}, {claim.claim_token!r})])"),
+        (f"/pending/{new.id}", f"store.finish_items(results=[({setting}, {new.id!r}, 'meanwhile')])"),
+    ]
+    moved = []
+
+    def hook(call, path):
+        if call == "open" and moves and moves[0][0] in path:
+            moved.append(_elsewhere(store.data_dir, moves.pop(0)[1]))
+
+    monkeypatch.setattr(files, "fault", hook)
+    again, made = store.retry_item(config=lasting, item_id=old)
+    monkeypatch.setattr(files, "fault", None)
+    assert (again.id, made) == (new.id, False)
+    assert moved == [False]  # the give-back waited for the look's lock, and then was stopped
+    assert store.read_item(queue=Q, item_id=old).retried_as == new.id
+    assert (files_in(store, "pending"), states_of(store, new.id)) == ([], ["processing"])
 
 
 def test_retries_racing_from_two_processes_make_one_item(tmp_path, clock, config):

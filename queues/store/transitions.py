@@ -448,24 +448,34 @@ class Store:
         lasts. Whether it was made now. NotEnded for an item that has not ended."""
         queue = config.name
         self._check_item_id(queue, item_id)
-        with _storage_errors, self._items.lock(queue, item_id):
-            state, old = self._found(queue, item_id)
-            if state != "done":
-                raise NotEnded(f"item {item_id} is {old.status}: only a finished or failed item can be retried")
-            if old.retried_as is not None:
-                # looked for twice, as a read does: a move under way may hide it once
-                found = self._items.find(queue, old.retried_as) or self._items.find(queue, old.retried_as)
+        gone = None  # a new item recorded as retriedAs and found gone
+        with _storage_errors:
+            while True:
+                with self._items.lock(queue, item_id):
+                    state, old = self._found(queue, item_id)
+                    if state != "done":
+                        raise NotEnded(f"item {item_id} is {old.status}: only a finished or failed item can be retried")
+                    if old.retried_as is None or old.retried_as == gone:
+                        return self._retried_anew(queue, old), True
+                    earlier = old.retried_as
+                # looked for under its own lock, never while holding the old one's (a second
+                # item lock, taken in no set order, could deadlock): a move may not hide it
+                with self._items.lock(queue, earlier):
+                    found = self._items.find(queue, earlier)
                 if found is not None:
                     return found[1], False
-                # gone: lost to a crash before it was made, or ended and deleted since: retried anew
-            self._check_room()
-            (new_id,) = self._ids.new_ids(1, self.clock())
-            # recorded first, so a crash before the new item is made cannot make two of them
-            self._items.rewrite(queue, "done", replace(old, retried_as=new_id), mtime=old.finished_at)
-            self.ensure_queue(queue)
-            new = Item(id=new_id, queue=queue, status="pending", payload=old.payload, retry_of=item_id)
-            self._items.publish(queue, [new])
-        return new, True
+                gone = earlier  # lost to a crash before it was made, or ended and deleted since
+
+    def _retried_anew(self, queue: str, old: Item) -> Item:
+        """The new item of a retry, made under the old item's lock."""
+        self._check_room()
+        (new_id,) = self._ids.new_ids(1, self.clock())
+        # recorded first, so a crash before the new item is made cannot make two of them
+        self._items.rewrite(queue, "done", replace(old, retried_as=new_id), mtime=old.finished_at)
+        self.ensure_queue(queue)
+        new = Item(id=new_id, queue=queue, status="pending", payload=old.payload, retry_of=old.id)
+        self._items.publish(queue, [new])
+        return new
 
     def cancel_item(self, *, config: QueueConfig, item_id: str) -> tuple[Item, bool]:
         """End a scheduled, pending or processing item at once, failed `canceled`; the item, and
