@@ -378,6 +378,19 @@ def test_requeue_puts_a_processing_item_back_to_pending_and_wakes_a_worker(staff
     assert again.id == item_id and again.attempts == 2
 
 
+def test_requeue_of_an_item_at_its_last_try_says_it_ended_instead(staff_client, db):
+    limited = save_queue("thumbs", max_attempts=1)
+    store = get_store()
+    [item_id] = post("thumbs", 1)
+    store.claim_items(config=limited.config())
+
+    response = staff_client.post(f"/queues/thumbs/items/{item_id}/requeue", follow=True)
+
+    assert store.read_item(queue="thumbs", item_id=item_id).error == "max_attempts"
+    assert b"was not re-queued: it ended failed (max_attempts)" in response.content
+    assert b"is pending again" not in response.content
+
+
 def test_requeue_returns_to_the_page_it_came_from(staff_client, queue):
     [item_id] = post("thumbs", 1)
     get_store().claim_items(config=queue.config())

@@ -183,7 +183,7 @@ def requeue_item(request, name: str, item_id: str):
     if queue is None:
         return _no_queue(request, name)
     try:
-        single(get_store().release_items(releases=[Release(queue.config(), item_id, reason="staff")]))
+        back = single(get_store().release_items(releases=[Release(queue.config(), item_id, reason="staff")]))
     except ItemNotFound:
         return _gone(request, queue, item_id)
     except NotHeld:
@@ -191,7 +191,10 @@ def requeue_item(request, name: str, item_id: str):
     except StorageUnavailable as exc:
         messages.error(request, f"Item {item_id} was not re-queued: {exc.message}")
     else:
-        messages.success(request, f"Item {item_id} is pending again; the next claim can take it.")
+        if back.status == "pending":
+            messages.success(request, f"Item {item_id} is pending again; the next claim can take it.")
+        else:  # it ended instead: too old for its queue, or at its maxAttempts
+            messages.warning(request, f"Item {item_id} was not re-queued: it ended {back.status} ({back.error}).")
     return _back(request, reverse("dashboard:item", args=[name, item_id]))
 
 
