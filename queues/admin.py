@@ -8,7 +8,7 @@ from django.utils.html import format_html
 from .dashboard.display import STATES, format_duration
 from .models import ApiToken, Queue
 from .runtime import get_registry, get_store
-from .services import delete_queue, save_queue
+from .services import delete_queue, save_queue, timeouts_lowered
 from .store import Counts
 
 
@@ -64,6 +64,7 @@ class QueueAdmin(admin.ModelAdmin):
     def save_model(self, request, obj, form, change):
         super().save_model(request, obj, form, change)
         get_store().ensure_queue(obj.name)
+        timeouts_lowered(obj, form.initial.get("queue_seconds") if change else None)
         get_registry().invalidate()  # this process sees the change at once; the others within a second
 
     def delete_model(self, request, obj):

@@ -19,12 +19,21 @@ def save_queue(name: str, **changes) -> Queue:
         raise ValueError(f"unknown queue settings: {sorted(unknown)}")
     with transaction.atomic():
         queue = Queue.objects.select_for_update().filter(name=name).first() or Queue(name=name)
+        before = queue.queue_seconds if queue.pk else None
         for field, value in changes.items():
             setattr(queue, field, value)
         queue.full_clean()
         queue.save()
         get_store().ensure_queue(queue.name)  # inside: a queue whose directory cannot be made is not saved
+        timeouts_lowered(queue, before)
     return queue
+
+
+def timeouts_lowered(queue: Queue, before: int | None) -> None:
+    """Once a queue's queueSeconds was lowered from `before`, its scheduled items age out by the
+    new one too (see Store.mark_timeouts)."""
+    if before is not None and queue.queue_seconds < before:
+        get_store().mark_timeouts(config=queue.config())
 
 
 def delete_queue(queue: Queue) -> None:

@@ -4,9 +4,11 @@ import re
 
 import pytest
 
+from queues import ids
 from queues.models import ApiToken, Queue, hash_token
 from queues.runtime import get_registry, get_store
 from queues.services import save_queue
+from queues.store import NewItem
 from storekit import finish, post_batch
 
 VALID_QUEUE = {
@@ -103,6 +105,19 @@ def test_settings_saved_in_the_admin_reach_this_process_at_once(admin_client):
     admin_client.post(f"/admin/queues/queue/{queue.pk}/change/", {**VALID_QUEUE, "paused": "on"})
     registry.refresh()
     assert registry.queue("thumbs").paused is True
+
+
+@pytest.mark.parametrize("how", ["admin", "save_queue"])
+def test_a_lowered_queue_timeout_marks_the_scheduled_items_for_it(admin_client, how):
+    queue = save_queue("thumbs", queue_seconds=86400)
+    store = get_store()
+    (posted,) = store.post_items(config=queue.config(), items=[NewItem(1, run_at=store.clock() + 80000)])
+    if how == "admin":
+        admin_client.post(f"/admin/queues/queue/{queue.pk}/change/", {**VALID_QUEUE, "queue_seconds": "3600"})
+    else:
+        save_queue("thumbs", queue_seconds=3600)
+    ages_out = f"{ids.id_millis(posted.item.id) + 3_600_000:013d}.{posted.item.id}.read"
+    assert ages_out in {mark.name for mark in (store.data_dir / "thumbs" / "schedule").glob("*/*")}
 
 
 def test_pause_and_resume_actions(admin_client):

@@ -153,6 +153,26 @@ def test_an_item_due_at_its_run_at_that_aged_out_meanwhile_fails_instead(store, 
     assert (aged.status, aged.error) == ("failed", "timeout")
 
 
+def test_a_lowered_queue_timeout_reaches_the_items_scheduled_under_the_old_one(store, clock, config):
+    """G6 for scheduled items: each is marked when it is scheduled, under the limit of then."""
+    (far,) = schedule(store, config, clock.now + 500)
+    clock.advance(100)
+    aged, near = schedule(store, config, clock.now + 400, clock.now + 20)
+    clock.advance(100)  # far is 200 s old, aged and near 100 s; near is due
+    lowered = replace(config, queue_seconds=150)
+    store.mark_timeouts(config=lowered)
+    assert store.read_item(queue=Q, item_id=far).error == "timeout"  # older than the new limit already
+    marks = due_marks(store)
+    assert [mark for mark in marks if near in mark] == [f"{int((clock.now - 80) * 1000)}.{near}"]  # no more
+    assert f"{ids.id_millis(aged) + 150_000}.{aged}.read" in marks
+    assert store.promote_due(config=lowered) == [near]
+    clock.advance(49)
+    assert store.promote_due(config=lowered) == [] and states_of(store, aged) == ["scheduled"]
+    clock.advance(2)  # aged is 151 s old, its runAt 249 s off
+    assert store.promote_due(config=lowered) == []
+    assert store.read_item(queue=Q, item_id=aged).error == "timeout"
+
+
 @pytest.mark.parametrize("claims", ["xattr", "rewrite"])
 def test_many_items_due_at_once_are_promoted_in_chunks_each_claimable_at_once(tmp_path, clock, config, monkeypatch, claims):
     import queues.store.transitions as transitions

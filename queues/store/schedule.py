@@ -94,6 +94,18 @@ class Schedule:
         past = [self.layout.slot(queue, slot) for slot in sorted(slots) if slot < current]
         return Due(sorted(marks, key=lambda mark: (mark.due, mark.item_id)), past)
 
+    def soonest(self, queue: str) -> dict[str, float]:
+        """Every marked item's soonest mark: item id -> when it is due. Lists every slot."""
+        soonest: dict[str, float] = {}
+        for name in files.names(self.layout.directory(queue, "schedule")):
+            if not name.isdigit():
+                continue
+            for entry in files.names(self.layout.slot(queue, int(name))):
+                mark = _parse(entry, self.layout.in_slot(queue, int(name), entry))
+                if mark is not None and mark.due < soonest.get(mark.item_id, float("inf")):
+                    soonest[mark.item_id] = mark.due
+        return soonest
+
     @staticmethod
     def passed(due: Due) -> None:
         """Remove the past slots that hold no mark any more (one whose mark could not be handled

@@ -35,7 +35,7 @@ from ..exceptions import (
 from . import files, stats, sweep
 from .items import Events, ItemFiles, NoEvents, Observer, done_directories
 from .keys import check_key, same_payload
-from .layout import Layout, is_valid_queue_name
+from .layout import Layout, is_valid_queue_name, item_id_of
 from .pending import CAPACITY
 from .records import (
     ABSENT,
@@ -505,6 +505,26 @@ class Store:
                 promoted += promote(self._items, config, due.marks[start:start + PROMOTE_CHUNK], now)
             self._items.schedule.passed(due)
         return promoted
+
+    def mark_timeouts(self, *, config: QueueConfig) -> None:
+        """Call once the queue's queueSeconds was lowered: a scheduled item is marked for when
+        it comes due (or ages out, whichever came first) under the limit it was scheduled with,
+        so each one now due to age out sooner gets a mark for then, and one aged already fails
+        now. Lists every scheduled item and mark, once."""
+        queue = config.name
+        with _storage_errors:
+            soonest = self._items.schedule.soonest(queue)
+            marks = []
+            for name in files.names(self._items.layout.directory(queue, "scheduled")):
+                item_id = item_id_of(name)
+                if item_id is None:
+                    continue
+                ages_out = ids.id_millis(item_id) / 1000 + config.queue_seconds
+                if ages_out < soonest.get(item_id, float("inf")):
+                    marks.append(self._items.schedule.mark(queue, item_id, ages_out, at_run_at=False))
+            if marks:
+                self._items.flush(*self._items.schedule.directories(queue, marks))
+        promote_if_due(self._items, config, marks)
 
     def _found(self, queue: str, item_id: str) -> tuple[str, Item]:
         found = self._items.find(queue, item_id)
