@@ -77,25 +77,27 @@ def test_a_host_outside_allowed_hosts_is_logged_with_the_variable_to_set(client,
     assert "restart with ALLOWED_HOSTS=localhost,<that name>" in caplog.text
 
 
-def _runserver(deployment: Deployment) -> tuple[subprocess.Popen, int]:
+def _runserver(tmp_path, *queue_options: str) -> tuple[Deployment, subprocess.Popen, httpx.Client]:
+    """`runserver --noreload` over a new installation with the queue `short` (made with
+    `queue_options`): the installation, the server, and an API client with a token."""
+    deployment = Deployment(tmp_path)
+    deployment.prepare(queues=[])
+    deployment.create_queue("short", *queue_options)
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     server = subprocess.Popen([sys.executable, str(MANAGE), "runserver", "--noreload", f"127.0.0.1:{port}"],
                               cwd=PROJECT_DIR, env=deployment.environ(), stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True)
-    return server, port
+    api = httpx.Client(base_url=f"http://127.0.0.1:{port}",
+                       headers={"Authorization": f"Bearer {deployment.token}"}, timeout=10)
+    return deployment, server, api
 
 
 def test_runserver_runs_the_sweep(tmp_path):
     """An item of a queue with a one-second life fails `timeout` under runserver too."""
-    deployment = Deployment(tmp_path)
-    deployment.prepare(queues=[])
-    deployment.create_queue("short", "--queue-seconds", "1")
-    server, port = _runserver(deployment)
+    _, server, api = _runserver(tmp_path, "--queue-seconds", "1")
     try:
-        api = httpx.Client(base_url=f"http://127.0.0.1:{port}",
-                           headers={"Authorization": f"Bearer {deployment.token}"}, timeout=10)
         item = _post_when_up(api)
         status = item["status"]
         deadline = time.monotonic() + 30
@@ -111,15 +113,11 @@ def test_runserver_runs_the_sweep(tmp_path):
 
 
 def test_runserver_that_stops_gives_what_sockets_hold_back_without_counting_the_try(tmp_path):
-    deployment = Deployment(tmp_path)
-    deployment.prepare(queues=[])
-    deployment.create_queue("short", "--max-attempts", "1")
-    server, port = _runserver(deployment)
+    deployment, server, api = _runserver(tmp_path, "--max-attempts", "1")
     try:
-        api = httpx.Client(base_url=f"http://127.0.0.1:{port}",
-                           headers={"Authorization": f"Bearer {deployment.token}"}, timeout=10)
         item = _post_when_up(api)
-        with connect(f"ws://127.0.0.1:{port}/work", additional_headers={"Authorization": f"Bearer {deployment.token}"}) as worker:
+        work_url = f"ws://{api.base_url.host}:{api.base_url.port}/work"
+        with connect(work_url, additional_headers={"Authorization": f"Bearer {deployment.token}"}) as worker:
             worker.send(json.dumps({"op": "claim", "queue": "short"}))
             assert [held["id"] for held in json.loads(worker.recv(timeout=30))["items"]] == [item["id"]]
             server.terminate()
