@@ -37,6 +37,8 @@ def promote_if_due(items: ItemFiles, config: QueueConfig, marks: list[DueMark]) 
     (due, with no item there yet) is made again, and the items whose marks are due already are
     promoted now; the ids promoted. A failure is logged, not raised: the post or release that
     scheduled them stands, and their marks bring them to a later look."""
+    if not marks:
+        return set()
     try:
         gone = [mark for mark in marks if not files.exists(mark.path)]
         for mark in gone:
