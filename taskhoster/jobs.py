@@ -88,8 +88,12 @@ def error_result(exc: BaseException) -> dict:
     traceback, under "error", so a producer tells it from a normal result."""
     if isinstance(exc, HandlerFailed):
         return {"error": exc.details}
-    text = "".join(traceback.format_exception(exc))
-    return {"error": {"type": type(exc).__name__, "message": str(exc)[:MESSAGE_CHARS],
+    text = "".join(traceback.format_exception(exc))  # never raises: it says where str() failed
+    try:
+        message = str(exc)
+    except Exception as broken:  # an exception's own __str__ may raise: no reason to stop the worker
+        message = f"<str() of the exception raised {type(broken).__name__}>"
+    return {"error": {"type": type(exc).__name__, "message": message[:MESSAGE_CHARS],
                       "traceback": text[-TRACEBACK_TAIL_CHARS:]}}
 
 

@@ -206,6 +206,23 @@ def test_a_raising_handler_gives_an_error_result_and_the_worker_goes_on(live, pr
     assert dict_payload["error"]["type"] == "TypeError"
 
 
+def test_a_handler_error_whose_message_cannot_be_made_is_an_error_result_too(live, producer):
+    class Unprintable(Exception):
+        def __str__(self):
+            raise RuntimeError("no message")
+
+    def handle(payload, job):
+        if payload == "bad":
+            raise Unprintable()
+        return payload
+
+    items = producer.post_many("errors", ["bad", "good"])
+    with working(Worker(live.url, live.token, queues=["errors"]), handle):
+        bad, good = [producer.result("errors", item["id"], timeout=20) for item in items]
+    assert (bad["error"]["type"], good) == ("Unprintable", "good")
+    assert "RuntimeError" in bad["error"]["message"]
+
+
 def test_a_result_that_is_not_json_becomes_an_error_result(live, producer):
     item = producer.post("errors", "x")
     with working(Worker(live.url, live.token, queues=["errors"]), lambda payload, job: {1, 2}):
