@@ -126,6 +126,17 @@ async def test_a_task_finished_receiver_that_raises_leaves_a_last_failed_run_fai
     assert result["error"]["type"] == "KeyError"
 
 
+@task
+def not_a_number():
+    return {"score": float("nan")}
+
+
+async def test_a_task_that_returns_nan_fails_for_good_on_an_earlier_try_too(runner):
+    """Not JSON, as a set is not: another run would return the same, so it is not retried."""
+    result = await asyncio.wait_for(runner(payload(not_a_number), job(attempts=1)), 10)
+    assert result["error"]["type"] == "ValueError"
+
+
 @pytest.fixture
 def failing_start():
     def receiver(**kwargs):

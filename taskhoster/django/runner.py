@@ -10,6 +10,7 @@ task runs again: the run is over by then.
 """
 
 import asyncio
+import json
 import logging
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
@@ -107,6 +108,7 @@ class TaskRunner:
         and another try would return the same, so it is not run again."""
         try:
             value = normalize_json(value)
+            json.dumps(value, allow_nan=False)  # NaN and the infinities pass the above, and are no JSON
         except Exception as exc:
             return self._failed(started, exc, final=True)
         self._set(started.result, status=TaskResultStatus.SUCCESSFUL, finished_at=timezone.now(),
