@@ -47,6 +47,11 @@ _BY_CODE = {
 }
 
 
+# codes that say nothing of the request itself: the server could not do it just now (its disk is
+# full, it sheds load, an unexpected fault), and the same request may well succeed a moment later
+PASSING_CODES = frozenset({"storage_unavailable", "busy", "internal_error"})
+
+
 def api_error(code: str, message: str, status: int | None = None) -> ApiError:
     """The most specific ApiError for a server error code."""
     return _BY_CODE.get(code, ApiError)(code, message, status)

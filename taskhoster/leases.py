@@ -8,7 +8,7 @@ from dataclasses import replace
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from .errors import ApiError
+from .errors import PASSING_CODES, ApiError
 from .jobs import Job
 from .link import Link, LinkClosed
 
@@ -31,6 +31,7 @@ async def release(link: Link, job: Job, *, delay: float = 0, error: Any = None) 
 
 
 DUE_SLACK_SECONDS = 0.001  # a timer may fire this much before its time: what is due then is due
+EXTEND_RETRY_SECONDS = 1.0  # after a renewal the server could not make for now (errors.PASSING_CODES)
 
 
 class _Lease:
@@ -120,10 +121,22 @@ class Leases:
             await link.request(
                 {"op": "extend", "queue": job.queue, "id": job.id, "seconds": max(1, math.ceil(job.lease_seconds))}
             )
-        except (ApiError, LinkClosed) as exc:
+        except ApiError as exc:
+            if exc.code in PASSING_CODES and self._held.get(job.id) is lease and lease.due is None:
+                pause = min(EXTEND_RETRY_SECONDS, job.lease_seconds / 8)  # several tries before it lapses
+                log.warning("could not renew the lease of %s %s (%s); trying again in %g s", job.queue, job.id,
+                            exc, pause)
+                self._due_at(lease, self._loop.time() + pause)
+            else:
+                log.info("stopped renewing the lease of %s %s: %s", job.queue, job.id, exc)
+            return
+        except LinkClosed as exc:
             log.info("stopped renewing the lease of %s %s: %s", job.queue, job.id, exc)
             return
         if self._held.get(job.id) is lease and lease.due is None:  # not let go or claimed again meanwhile
-            lease.due = self._loop.time() + job.lease_seconds / 2
-            if self._timer is None or lease.due < self._timer.when():
-                self._set_timer(lease.due)
+            self._due_at(lease, self._loop.time() + job.lease_seconds / 2)
+
+    def _due_at(self, lease: _Lease, when: float) -> None:
+        lease.due = when
+        if self._timer is None or when < self._timer.when():
+            self._set_timer(when)

@@ -8,7 +8,7 @@ import logging
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from .errors import ApiError
+from .errors import PASSING_CODES, ApiError
 from .jobs import Job, encode
 from .link import Link, LinkClosed, answer_of
 
@@ -19,10 +19,9 @@ log = logging.getLogger("taskhoster.worker")
 
 BATCH_ITEMS = 1000  # the server's limit for one `results` frame
 BATCH_BYTES = 8 << 20  # half the server's default frame limit
-# a result the server could not store (a full disk, say) stays in the outbox and goes in again
-# after this pause; results refused for any other reason are dropped
+# a result the server could not take for now (a full disk, say: errors.PASSING_CODES) stays in
+# the outbox and goes in again after this pause; results refused for any other reason are dropped
 RESULT_RETRY_SECONDS = 1.0
-PASSING_RESULT_ERRORS = {"storage_unavailable"}
 
 
 class Outbox:
@@ -116,7 +115,7 @@ class Outbox:
             answer = None  # kept for the next socket
         except ApiError as exc:
             answer = None
-            if exc.code in PASSING_RESULT_ERRORS:
+            if exc.code in PASSING_CODES:
                 self._rest([item_id for item_id, _, _, _ in batch], str(exc))
             else:
                 # refused as a whole (one result too large, say): hand each in alone to find it
@@ -131,19 +130,20 @@ class Outbox:
         self._sent()
 
     def _take_acks(self, batch: list[tuple[str, str, Any, str]], acks: list[dict]) -> None:
-        unstored = []
+        unstored, passing = [], set()
         for index, (item_id, queue, result, _) in enumerate(batch):
             ack = acks[index] if index < len(acks) else {}
             error = ack.get("error")
-            if error in PASSING_RESULT_ERRORS:
+            if error in PASSING_CODES:
                 unstored.append(item_id)
+                passing.add(error)
             elif error == "payload_too_large" and self._too_large(
                     item_id, queue, result, "the result is larger than the server accepts"):
                 continue
             else:
                 self._settle(item_id, ack)
         if unstored:
-            self._rest(unstored, "storage_unavailable")
+            self._rest(unstored, ", ".join(sorted(passing)))
 
     def _take_ack(self, entry: tuple[str, str, Any, str], reply: dict | None) -> None:
         item_id, queue, result, _ = entry
@@ -154,7 +154,7 @@ class Outbox:
         except ApiError as exc:
             if exc.code == "payload_too_large" and self._too_large(item_id, queue, result, exc.message):
                 return
-            if exc.code in PASSING_RESULT_ERRORS:
+            if exc.code in PASSING_CODES:
                 self._rest([item_id], str(exc))
                 return
             ack = {"accepted": False, "error": exc.code}
@@ -183,10 +183,10 @@ class Outbox:
         return True
 
     def _rest(self, item_ids: list[str], reason: str) -> None:
-        """The server could not store these results for now (a full disk, say): keep them, and
+        """The server could not take these results for now (a full disk, say): keep them, and
         send them again once RESULT_RETRY_SECONDS have passed (results refused meanwhile go with
         them), not at once and again and again."""
-        log.warning("the server could not store the results of %d items (%s); trying again in %g s",
+        log.warning("the server could not take the results of %d items (%s); trying again in %g s",
                     len(item_ids), reason, RESULT_RETRY_SECONDS)
         self._resting.update(item_ids)
         if self._rest_timer is None:

@@ -22,6 +22,7 @@ from serverproc import PROJECT_DIR
 from taskhoster import ConnectionFailed, Job, Producer, TaskhosterError, Unauthorized, UnknownQueue, Worker
 from taskhoster.claims import split_slots
 from taskhoster.connection import backoff_delay
+from taskhoster.errors import api_error
 from taskhoster.link import Link
 
 QUEUES = {
@@ -37,6 +38,8 @@ QUEUES = {
     "unstored-one": {},
     "unstored-many": {},
     "unstored-acks": {},
+    "unstored-busy": {},
+    "unstored-fault": {},
     "unstored-stop": {},
     "unstored-rest": {},
     "too-large": {},
@@ -49,6 +52,7 @@ QUEUES = {
     "stop-claim": {"lease_seconds": 300},  # only a release puts its item back while the worker runs
     "early-stop": {},
     "heartbeat": {"lease_seconds": 2},
+    "heartbeat-busy": {"lease_seconds": 2},
     "many": {},
     "killed": {},
     "signals": {},
@@ -383,7 +387,8 @@ DISK_FULL = {"op": "error", "code": "storage_unavailable",
              "message": "the data directory cannot be written: No space left on device"}
 
 
-def disk_full_for_two_hand_ins(monkeypatch, refusal: str = "error frame") -> list[tuple[str, list[str]]]:
+def disk_full_for_two_hand_ins(monkeypatch, refusal: str = "error frame",
+                               code: str = "storage_unavailable") -> list[tuple[str, list[str]]]:
     """The first two result or results frames the worker sends are refused as a server with a
     full disk refuses them (not sent on: an error frame, or with `refusal="acks"` an ack per item
     with error `storage_unavailable`); later ones go to the server. Every hand-in: (op, ids)."""
@@ -399,25 +404,27 @@ def disk_full_for_two_hand_ins(monkeypatch, refusal: str = "error frame") -> lis
         if len(sent) > 2:
             return ask(self, frame, answered, **options)
         if refusal == "acks":
-            answer_later(answered, {"op": "acks", "items": [{"id": i, "accepted": False, "error": "storage_unavailable"}
-                                                           for i in ids]})
+            answer_later(answered, {"op": "acks", "items": [{"id": i, "accepted": False, "error": code} for i in ids]})
         else:
-            answer_later(answered, DISK_FULL)
+            answer_later(answered, {**DISK_FULL, "code": code})
 
     monkeypatch.setattr(Link, "ask", refusing)
     return sent
 
 
 @pytest.mark.parametrize(
-    ("queue", "count", "refusal"),
-    [("unstored-one", 1, "error frame"), ("unstored-many", 3, "error frame"), ("unstored-acks", 3, "acks")],
+    ("queue", "count", "refusal", "code"),
+    [("unstored-one", 1, "error frame", "storage_unavailable"), ("unstored-many", 3, "error frame", "storage_unavailable"),
+     ("unstored-acks", 3, "acks", "storage_unavailable"), ("unstored-busy", 1, "error frame", "busy"),
+     ("unstored-fault", 3, "error frame", "internal_error")],
 )
 def test_results_the_server_could_not_store_go_in_again_after_a_pause(live, producer, monkeypatch, queue, count,
-                                                                      refusal):
-    """A full disk is a passing trouble: the results stay with the worker and go in again (not
-    dropped, which would leave the items to be done again once their leases lapse)."""
+                                                                      refusal, code):
+    """A full disk, load shed or a fault of the server's are passing troubles: the results stay
+    with the worker and go in again (not dropped, which would leave the items to be done again
+    once their leases lapse)."""
     monkeypatch.setattr(outbox_module, "RESULT_RETRY_SECONDS", 0.05)
-    sent = disk_full_for_two_hand_ins(monkeypatch, refusal)
+    sent = disk_full_for_two_hand_ins(monkeypatch, refusal, code)
     gate = {}
 
     async def handle(payload, job):
@@ -773,6 +780,35 @@ def test_a_slow_handler_keeps_its_lease_by_heartbeat_and_finishes_once(live, pro
             assert producer.result("heartbeat", item["id"], timeout=30) == "slow but sure"
     assert calls == [1] and rival_calls == []
     assert producer.get("heartbeat", item["id"])["attempts"] == 1
+
+
+def test_a_lease_renewal_the_server_could_not_make_for_now_is_tried_again(live, producer, monkeypatch):
+    """Its first two renewals answered `busy`: tried again within the lease, not given up, so
+    the sweep never hands the item to the rival worker."""
+    refused = []
+    request = Link.request
+
+    async def busy_twice(self, frame, **options):
+        if isinstance(frame, dict) and frame.get("op") == "extend" and len(refused) < 2:
+            refused.append(frame["id"])
+            raise api_error("busy", "the server sheds load for a moment")
+        return await request(self, frame, **options)
+
+    monkeypatch.setattr(Link, "request", busy_twice)
+    calls, rival_calls = [], []
+
+    def slow(payload, job):
+        calls.append(job.attempts)
+        time.sleep(4)
+        return "kept"
+
+    item = producer.post("heartbeat-busy", "x")
+    with working(Worker(live.url, live.token, queues=["heartbeat-busy"]), slow):
+        wait_until(lambda: calls, what="the slow handler to start")
+        with working(Worker(live.url, live.token, queues=["heartbeat-busy"]),
+                     lambda p, job: rival_calls.append(job.id)):
+            assert producer.result("heartbeat-busy", item["id"], timeout=30) == "kept"
+    assert (refused, calls, rival_calls) == ([item["id"]] * 2, [1], [])
 
 
 def test_a_producer_and_two_worker_processes_work_500_items(live, producer, tmp_path):
