@@ -46,12 +46,16 @@ class ProgramHandler:
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
             env=env,
+            # a session of its own: a Ctrl-C at the worker's terminal reaches the worker alone, which
+            # lets the command finish, as a stop does
+            start_new_session=True,
         )
         try:
             stdout, stderr = await process.communicate(json.dumps(payload).encode() + b"\n")
         except asyncio.CancelledError:
-            # the item was canceled, or the worker gave up on it: do not leave the program behind
-            process.kill()
+            # the item was canceled, or the worker gave up on it: do not leave the program, or
+            # what it started, behind
+            _kill_group(process.pid)
             raise
         if process.returncode != 0:
             raise HandlerFailed({
@@ -69,6 +73,13 @@ class ProgramHandler:
                 "stdout": _tail(stdout),
                 "stderr": _tail(stderr),
             }) from None
+
+
+def _kill_group(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)  # the program leads its own group (start_new_session)
+    except ProcessLookupError:
+        pass  # it ended meanwhile
 
 
 def _exit_message(program: str, returncode: int) -> str:

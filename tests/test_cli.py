@@ -6,6 +6,7 @@ installed; one test checks the installed `taskhoster` script itself."""
 
 import importlib.metadata
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -39,8 +40,8 @@ exit 3
 
 @pytest.fixture(scope="module")
 def live(tmp_path_factory):
-    queues = {name: {} for name in ("cli", "stdin", "badlines", "reads", "work", "failing", "notjson", "later",
-                                    "ended")}
+    queues = {name: {} for name in ("cli", "stdin", "badlines", "reads", "work", "terminal", "failing", "notjson",
+                                    "later", "ended")}
     queues["tries"] = {"max_attempts": 3}
     with live_server(tmp_path_factory.mktemp("cli"), queues) as live:
         yield live
@@ -305,6 +306,60 @@ def test_work_with_retry_gives_a_failing_item_back_until_its_command_succeeds(li
     last_error = producer.get("tries", item["id"])["lastError"]["error"]
     assert last_error["type"] == "ExitStatus" and last_error["exitCode"] == 1
     assert last_error["stderr"] == "try 2 of 3 failed\n"
+
+
+def test_work_lets_a_running_command_finish_on_a_ctrl_c_at_its_terminal(live, producer, tmp_path):
+    """A Ctrl-C reaches every process of the terminal's foreground group: the worker's, not the
+    command's, which runs on and hands in its result before the worker exits."""
+    slow = script(tmp_path, "slow.sh", "#!/bin/sh\ntouch \"$1\"\nsleep 1\necho '\"finished\"'\n")
+    started = tmp_path / "started"
+    worker = subprocess.Popen(cli_command("work", "terminal", "--", str(slow), str(started)), cwd=PROJECT_DIR,
+                              env=client_env(live), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              start_new_session=True)  # a group of its own, as a terminal's job
+    try:
+        item = producer.post("terminal", 1)
+        deadline = time.monotonic() + 30
+        while not started.exists():
+            assert time.monotonic() < deadline, "the command never started"
+            time.sleep(0.02)
+        os.killpg(worker.pid, signal.SIGINT)  # as the terminal does on Ctrl-C
+        assert worker.wait(30) == 0
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+        worker.communicate()
+    assert producer.get("terminal", item["id"])["result"] == "finished"
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended
+    except FileNotFoundError:
+        return False
+
+
+def test_work_kills_a_canceled_item_s_command_and_what_it_started(live, producer, tmp_path):
+    starts = script(tmp_path, "starts.sh", "#!/bin/sh\nsleep 60 &\necho $! > \"$1.tmp\"\nmv \"$1.tmp\" \"$1\"\nwait\n")
+    started = tmp_path / "grandchild"
+    worker = subprocess.Popen(cli_command("work", "terminal", "--", str(starts), str(started)), cwd=PROJECT_DIR,
+                              env=client_env(live), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        item = producer.post("terminal", 1)
+        deadline = time.monotonic() + 30
+        while not started.exists():
+            assert time.monotonic() < deadline, "the command never started its own child"
+            time.sleep(0.02)
+        grandchild = int(started.read_text())
+        producer.cancel("terminal", item["id"])
+        while _running(grandchild):
+            assert time.monotonic() < deadline + 30, "the command's own child outlived the cancel"
+            time.sleep(0.02)
+    finally:
+        worker.send_signal(signal.SIGTERM)
+        assert worker.wait(30) == 0
+        worker.communicate()
+    assert producer.get("terminal", item["id"])["error"] == "canceled"
 
 
 def test_post_with_delay_or_run_at_schedules_the_items(live, producer):
