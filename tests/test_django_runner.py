@@ -7,7 +7,6 @@ raises fails the try before the task runs."""
 import asyncio
 import sys
 import traceback
-from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import pytest
@@ -53,9 +52,9 @@ def job(attempts: int) -> Job:
 @pytest.fixture
 def runner():
     backend = SimpleNamespace(alias="default", settings=SimpleNamespace(max_attempts=MAX_ATTEMPTS))
-    threads = ThreadPoolExecutor(1)
-    yield TaskRunner(backend, worker_id="here", threads=threads)
-    threads.shutdown()
+    runner = TaskRunner(backend, worker_id="here")
+    yield runner
+    runner.close()
 
 
 @pytest.fixture

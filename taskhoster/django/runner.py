@@ -13,7 +13,6 @@ import asyncio
 import json
 import logging
 from collections.abc import Awaitable, Callable
-from concurrent.futures import Executor
 from dataclasses import dataclass
 from inspect import iscoroutinefunction
 from typing import Any
@@ -22,7 +21,7 @@ from asgiref.sync import sync_to_async
 from django.db import close_old_connections
 from django.utils import timezone
 
-from ..jobs import HandlerFailed, Job
+from ..jobs import HandlerFailed, HandlerThreads, Job
 from .framework import TaskContext, TaskError, TaskResult, TaskResultStatus, normalize_json, task_finished, task_started
 from .outcomes import Runs, raised, returned, runs_of
 from .payloads import load_task, read_payload
@@ -49,13 +48,20 @@ class Started:
 
 class TaskRunner:
     """The handler: `await runner(payload, job)`. Blocking parts (imports, signals, the plain
-    tasks themselves) run in `threads`."""
+    tasks themselves) run in threads of its own, the Worker's kind (jobs.HandlerThreads): kept
+    between tasks, with their database connections, and daemons, so a task still running when the
+    worker gives up on it neither keeps the process alive nor holds up the next task. close() once
+    the worker has stopped."""
 
-    def __init__(self, backend, *, worker_id: str, threads: Executor):
+    def __init__(self, backend, *, worker_id: str):
         self._backend = backend
         self._worker_id = worker_id
-        self._threads = threads
+        self._threads: HandlerThreads | None = None  # made on the worker's loop, at the first task
         self._max_attempts = backend.settings.max_attempts
+
+    def close(self) -> None:
+        if self._threads is not None:
+            self._threads.close()
 
     async def __call__(self, payload: Any, job: Job) -> Any:
         runs = runs_of(job, self._worker_id)
@@ -80,7 +86,20 @@ class TaskRunner:
         import, a task_started receiver) comes back as a RuntimeError: before Python 3.13 an
         asyncio future refuses it, so run_in_executor would never hand it back and the item would
         wait forever."""
-        return asyncio.get_running_loop().run_in_executor(self._threads, _stop_iteration_as_error, call, *args)
+        if self._threads is None:
+            self._threads = HandlerThreads()
+        answer = asyncio.get_running_loop().create_future()
+
+        def done(value: Any, exc: BaseException | None) -> None:
+            if answer.done():  # the task waiting for it was cancelled
+                return
+            if exc is None:
+                answer.set_result(value)
+            else:
+                answer.set_exception(exc)
+
+        self._threads.run(_stop_iteration_as_error, (call, *args), done)
+        return answer
 
     # -- in a thread ---------------------------------------------------------------------------
 

@@ -1,9 +1,8 @@
 """The worker of a TaskhosterBackend: the client's Worker on the backend's queues, with a
-TaskRunner as its handler and a thread for each task it may run at once."""
+TaskRunner as its handler."""
 
 import os
 import socket
-from concurrent.futures import ThreadPoolExecutor
 
 from django.core.exceptions import ImproperlyConfigured
 
@@ -33,12 +32,13 @@ class DjangoWorker:
         return self._worker.queues
 
     def run(self) -> None:
-        """Work until SIGTERM or SIGINT: running tasks may finish within the grace period."""
-        threads = ThreadPoolExecutor(self.concurrency, thread_name_prefix="taskhoster-task")
+        """Work until SIGTERM or SIGINT: running tasks may finish within the grace period; one
+        that outlasts it is left to end with the process."""
+        runner = TaskRunner(self.backend, worker_id=self.worker_id)
         try:
-            self._worker.run(TaskRunner(self.backend, worker_id=self.worker_id, threads=threads))
+            self._worker.run(runner)
         finally:
-            threads.shutdown(wait=False, cancel_futures=True)
+            runner.close()
 
     def stop(self, *, now: bool = False) -> None:
         self._worker.stop(now=now)

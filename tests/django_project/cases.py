@@ -184,6 +184,27 @@ def test_a_running_task_reads_running(tmp_path):
     assert ended(result).return_value is True
 
 
+def test_a_worker_stopped_at_once_exits_though_a_plain_task_runs_on(tmp_path, producer):
+    """A second SIGTERM skips the grace: the task still running goes back to its queue, and must
+    not keep the worker's process alive (its thread is the worker's, not one Python waits for)."""
+    result = tasks.wait_for.using(queue_name="idle").enqueue(str(tmp_path / "never"))
+    env = {**os.environ, "SHOP_DB": str(tmp_path / "shop.sqlite3")}
+    process = subprocess.Popen([sys.executable, "manage.py", "taskhoster_worker", "--queue-name", "idle"],
+                               cwd=PROJECT, env=env)
+    try:
+        until(result, TaskResultStatus.RUNNING)
+        process.send_signal(signal.SIGTERM)
+        time.sleep(0.2)  # the first is taken before the second comes
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(20) == 0
+        assert producer.get("idle", result.id)["status"] == "pending"
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        producer.cancel("idle", result.id)
+
+
 def test_a_task_nobody_works_reads_ready_then_failed_once_canceled(producer):
     result = tasks.add.using(queue_name="idle").enqueue(1, 1)
     read = tasks.add.get_result(result.id)
