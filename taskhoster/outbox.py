@@ -22,6 +22,7 @@ BATCH_BYTES = 8 << 20  # half the server's default frame limit
 # a result the server could not take for now (a full disk, say: errors.PASSING_CODES) stays in
 # the outbox and goes in again after this pause; results refused for any other reason are dropped
 RESULT_RETRY_SECONDS = 1.0
+MESSAGE_TOO_BIG = 1009  # the close code of a server that will not read a frame that large
 
 
 class Outbox:
@@ -35,6 +36,7 @@ class Outbox:
         self._one_by_one: asyncio.Task | None = None  # results a refused frame held, going in one by one
         self._resting: set[str] = set()  # ids the server could not store: not sent until
         self._rest_timer: asyncio.TimerHandle | None = None  # this fires and frees them all
+        self._alone: set[str] = set()  # ids of a frame too big for the server: each goes in alone
 
     def __len__(self) -> int:
         return len(self._results)
@@ -49,6 +51,7 @@ class Outbox:
     def discard(self, item_id: str) -> None:
         """Not to be handed in after all (the item was canceled)."""
         self._results.pop(item_id, None)
+        self._alone.discard(item_id)
 
     def hand_in(self, link: Link) -> None:
         """Hand in the results not yet acknowledged, one frame at a time: results that finish
@@ -61,7 +64,7 @@ class Outbox:
         if not batch:
             return
         if len(batch) == 1:
-            frame, answered = _one_frame(batch[0]), partial(self._answered_one, batch[0])
+            frame, answered = _one_frame(batch[0]), partial(self._answered_one, link, batch[0])
         else:
             frame = '{"op":"results","items":[' + ",".join(_entry(i, q, t) for i, q, _, t in batch) + "]}"
             answered = partial(self._answered_many, link, batch)
@@ -95,15 +98,17 @@ class Outbox:
         for item_id, (queue, result, text) in self._results.items():
             if item_id in self._resting:
                 continue
-            if batch and (len(batch) == BATCH_ITEMS or total + len(text) > BATCH_BYTES):
+            if batch and (len(batch) == BATCH_ITEMS or total + len(text) > BATCH_BYTES or item_id in self._alone):
                 break
             batch.append((item_id, queue, result, text))
             total += len(text)
+            if item_id in self._alone:
+                break
         return batch
 
-    def _answered_one(self, entry: tuple[str, str, Any, str], reply: dict | None) -> None:
+    def _answered_one(self, link: Link, entry: tuple[str, str, Any, str], reply: dict | None) -> None:
         try:
-            self._take_ack(entry, reply)
+            self._take_ack(link, entry, reply)
         except Exception as exc:  # a bug: the run stops and raises it
             self._run.fail(exc)
         self._sent()
@@ -113,6 +118,8 @@ class Outbox:
             answer = answer_of(reply)
         except LinkClosed:
             answer = None  # kept for the next socket
+            if _too_big(link):  # one of them at least: each goes in alone, to find it
+                self._alone.update(item_id for item_id, _, _, _ in batch)
         except ApiError as exc:
             answer = None
             if exc.code in PASSING_CODES:
@@ -145,12 +152,14 @@ class Outbox:
         if unstored:
             self._rest(unstored, ", ".join(sorted(passing)))
 
-    def _take_ack(self, entry: tuple[str, str, Any, str], reply: dict | None) -> None:
+    def _take_ack(self, link: Link, entry: tuple[str, str, Any, str], reply: dict | None) -> None:
         item_id, queue, result, _ = entry
         try:
             ack = answer_of(reply)
         except LinkClosed:
-            return  # kept for the next socket
+            if _too_big(link) and not self._too_large(item_id, queue, result, "the result is larger than the server reads"):
+                self._settle(item_id, {"accepted": False, "error": "an error result larger than the server reads"})
+            return  # else kept for the next socket
         except ApiError as exc:
             if exc.code == "payload_too_large" and self._too_large(item_id, queue, result, exc.message):
                 return
@@ -166,7 +175,7 @@ class Outbox:
                 reply = await link.reply(_one_frame(entry))
             except LinkClosed:
                 return  # kept for the next socket
-            self._take_ack(entry, reply)
+            self._take_ack(link, entry, reply)
 
     def _handed_in_each(self, task: asyncio.Task) -> None:
         if self._one_by_one is task:
@@ -199,8 +208,15 @@ class Outbox:
 
     def _settle(self, item_id: str, ack: dict) -> None:
         self._results.pop(item_id, None)
+        self._alone.discard(item_id)
         if not ack.get("accepted"):
             log.info("result for %s not accepted (%s)", item_id, ack.get("error", "already finished or timed out"))
+
+
+def _too_big(link: Link) -> bool:
+    """The server closed the socket for a frame larger than it reads: the result frame out, as
+    the frames after it go unread and the others are small."""
+    return link.socket.close_code == MESSAGE_TOO_BIG
 
 
 def _one_frame(entry: tuple[str, str, Any, str]) -> str:

@@ -482,25 +482,33 @@ def test_a_result_the_server_could_not_store_rests_while_later_results_go_in(liv
     assert [producer.get("unstored-rest", item["id"])["attempts"] for item in (first, second)] == [1, 1]
 
 
+@pytest.mark.parametrize("big", [1 << 20, 33 << 20], ids=["over the payload limit", "too big to be read"])
 @pytest.mark.parametrize("payloads", [["big"], ["big", "small"]], ids=["alone", "in a results frame"])
-def test_a_result_too_large_for_the_server_ends_the_item_with_an_error_saying_why(live, producer, payloads):
-    gate = {}
+def test_a_result_too_large_for_the_server_ends_the_item_with_an_error_saying_why(live, producer, payloads, big):
+    """Over the payload limit, the server refuses it; over twice the frame limit (16 MiB by
+    default), it closes the socket unread (1009), and the result must not go in again and again."""
+    gate, handled = {}, []
 
     async def handle(payload, job):
+        handled.append(payload)
         # the last handler opens the gate for all at once: their results go in one frame
         event = gate.setdefault("event", asyncio.Event())
         gate["started"] = gate.get("started", 0) + 1
         if gate["started"] == len(payloads):
             event.set()
         await event.wait()
-        return "x" * (1 << 20) if payload == "big" else payload
+        return "x" * big if payload == "big" else payload
 
     items = producer.post_many("too-large", payloads)
     with working(Worker(live.url, live.token, queues=["too-large"], concurrency=len(payloads)), handle):
         results = [producer.result("too-large", item["id"], timeout=20) for item in items]
     assert results[0]["error"]["type"] == "PayloadTooLarge"
     assert results[1:] == payloads[1:]
-    assert [producer.get("too-large", item["id"])["attempts"] for item in items] == [1] * len(payloads)
+    assert sorted(handled) == sorted(payloads)  # each run once
+    # the socket closed unread gave its items back (G8), and the worker's next claim may take them
+    # again before its results go in: a try each, the handler not run again
+    most = 1 if big == 1 << 20 else 2
+    assert all(1 <= producer.get("too-large", item["id"])["attempts"] <= most for item in items)
 
 
 def recording_claims(monkeypatch) -> list[tuple[int, int, int]]:
