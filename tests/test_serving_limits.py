@@ -188,10 +188,11 @@ def test_a_trickled_head_is_closed_about_ten_seconds_after_it_began(server):
     with ExitStack() as stack:
         kept_alive = stack.enter_context(socket.create_connection(("127.0.0.1", server.port)))
         assert status_over(kept_alive) == 200
-        tricklers = [Trickler(server), Trickler(server, after_a_request=True)]
-        stack.callback(close_all, [trickler.connection for trickler in tricklers])
         idle = open_connections(server, SLOW_CONNECTIONS, first_bytes=b"G")
         stack.callback(close_all, idle)
+        # made after the idle ones, which take a while on a busy machine: their clocks start now
+        tricklers = [Trickler(server), Trickler(server, after_a_request=True)]
+        stack.callback(close_all, [trickler.connection for trickler in tricklers])
         assert api_answers(server)  # a new client is served while they are all open
 
         def trickle_until(seconds: float) -> None:
