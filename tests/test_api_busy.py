@@ -13,6 +13,7 @@ import pytest
 
 from api_support import bearer, disk_snapshot, queues, tokens  # noqa: F401  (fixtures)
 from queues import budget
+from queues.api import requests as requests_module
 from queues.api.app import application
 from taskhoster_site.asgi import application as application_with_sockets
 
@@ -84,8 +85,8 @@ async def started(token: str, size: int, first_part: int = 0, **options) -> Uplo
 
 
 async def held_uploads(token: str, count: int) -> list[Upload]:
-    """`count` uploads of the largest body, each half-way through it."""
-    return [await started(token, MAX_BODY, MAX_BODY // 2) for _ in range(count)]
+    """`count` uploads of the largest body, each with all of it but its last byte received."""
+    return [await started(token, MAX_BODY, MAX_BODY - 1) for _ in range(count)]
 
 
 async def posted(upload: Upload) -> dict:
@@ -109,21 +110,38 @@ def small_budget(settings):
     assert budget.receiving.taken == 0
 
 
-async def test_an_upload_past_the_budget_is_busy_before_its_body_is_read(queues, tokens):
-    held = await held_uploads(tokens["all"], budget.BODIES_AT_ONCE)  # the whole budget
+async def test_an_upload_past_the_budget_is_busy_as_soon_as_its_first_bytes_come(queues, tokens):
+    held = await held_uploads(tokens["all"], budget.BODIES_AT_ONCE)  # nearly the whole budget
     before = disk_snapshot()
 
-    late = await started(tokens["all"], MAX_BODY)
+    late = await started(tokens["all"], MAX_BODY, first_part=MAX_BODY // 10)
 
     assert_busy(*await late.answer())
-    assert late.reads == 0  # refused on its Content-Length alone
     assert disk_snapshot() == before  # nothing stored
     await asyncio.gather(*(posted(upload) for upload in held))
 
 
+async def test_a_body_declared_but_not_sent_holds_none_of_the_budget(queues, tokens):
+    """Uploads that declare the largest body and send nothing do not keep others out."""
+    declared = [await started(tokens["all"], MAX_BODY) for _ in range(budget.BODIES_AT_ONCE)]
+    await posted(await started(tokens["all"], MAX_BODY))
+    await asyncio.gather(*(posted(upload) for upload in declared))
+
+
+async def test_a_body_that_stops_coming_is_refused_and_gives_its_share_back(queues, tokens, monkeypatch):
+    monkeypatch.setattr(requests_module, "BODY_IDLE_SECONDS", 0.2)
+    first, *others = await held_uploads(tokens["all"], budget.BODIES_AT_ONCE)  # then no more bytes
+    before = disk_snapshot()
+    for stalled in (first, *others):
+        status, _, body = await stalled.answer()
+        assert (status, body["error"]) == (400, "invalid_request") and "stopped coming" in body["message"]
+    assert disk_snapshot() == before
+    await posted(await started(tokens["all"], MAX_BODY))
+
+
 async def test_the_budget_is_free_again_once_an_upload_is_answered(queues, tokens):
     first, *others = await held_uploads(tokens["all"], budget.BODIES_AT_ONCE)
-    assert_busy(*await (await started(tokens["all"], MAX_BODY)).answer())
+    assert_busy(*await (await started(tokens["all"], MAX_BODY, first_part=MAX_BODY // 10)).answer())
 
     await posted(first)
 
@@ -136,7 +154,7 @@ async def test_a_streamed_upload_is_busy_as_soon_as_it_passes_the_budget(queues,
     streamed = await started(tokens["all"], 2 * MAX_BODY // 3, declare_length=False)
     await streamed.send(MAX_BODY // 3)
     assert not streamed.task.done()  # a third of the room: it fits
-    other = await started(tokens["all"], MAX_BODY // 2)  # half the room, on its Content-Length
+    other = await started(tokens["all"], MAX_BODY, first_part=MAX_BODY // 2)  # half the room
     before = disk_snapshot()
 
     await streamed.send(MAX_BODY // 3)  # two thirds in all: no longer fits

@@ -10,6 +10,7 @@ from ..exceptions import InvalidRequest, PayloadTooLarge
 from ..protocol import parse_json
 
 NO_BODY = object()
+BODY_IDLE_SECONDS = 10  # as long as a request head may take: a body that stops for this long is refused
 
 class ClientGone(Exception):
     """The client disconnected before its request was read: nobody is left to answer."""
@@ -51,18 +52,21 @@ class Request:
         return query
 
     async def body(self) -> bytes:
-        """The whole body, refused with 413 as soon as it passes the limit, and with 503 `busy`
-        as soon as it does not fit the budget (both before reading it when Content-Length says
-        so)."""
+        """The whole body, refused with 413 as soon as it passes the limit (before reading it
+        when Content-Length says so), with 503 `busy` as soon as what has come does not fit the
+        budget, and with 400 when it stops coming for BODY_IDLE_SECONDS: the budget holds what
+        has arrived, so a client that declares a large body and sends nothing holds none of it."""
         declared = self.header(b"content-length")
         if declared is not None:
             if not declared.strip().isdigit():
                 raise InvalidRequest("Content-Length is not a number")
             self._check_size(int(declared))
-            self._hold_budget(int(declared))
         chunks, size = [], 0
         while True:
-            message = await self._receive()
+            try:
+                message = await asyncio.wait_for(self._receive(), BODY_IDLE_SECONDS)
+            except TimeoutError:
+                raise InvalidRequest(f"the body stopped coming for {BODY_IDLE_SECONDS} s") from None
             if message["type"] == "http.disconnect":
                 raise ClientGone
             chunk = message.get("body", b"")
@@ -74,11 +78,16 @@ class Request:
                 return b"".join(chunks)
 
     async def json(self, *, when_empty=NO_BODY):
-        """The body parsed as JSON; `when_empty` stands in for an empty body if given."""
+        """The body parsed as JSON; `when_empty` stands in for an empty body if given. Its bytes
+        leave the budget once parsed: a long poll padded with spaces holds none of it."""
         raw = await self.body()
-        if not raw.strip() and when_empty is not NO_BODY:
-            return when_empty
-        return parse_json(raw)
+        try:
+            if not raw.strip() and when_empty is not NO_BODY:
+                return when_empty
+            return parse_json(raw)
+        finally:
+            self._budget.give_back(self._budget_taken)
+            self._budget_taken = 0
 
     def _check_size(self, size: int) -> None:
         if size > self.max_body_bytes:
