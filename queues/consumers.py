@@ -29,6 +29,7 @@ from .protocol import (
     MAX_RELEASE_DELAY_SECONDS,
     MAX_RESULTS,
     MAX_SOCKET_CLAIM_WAIT_SECONDS,
+    MAX_WAITING_CLAIMS,
     RECHECK_SECONDS,
     bearer_token,
     claimed,
@@ -222,6 +223,9 @@ class WorkConsumer(AsyncWebsocketConsumer):
         name = string_field(frame, "queue")
         max_items = integer_field(frame, "max", low=1, high=MAX_CLAIM, default=1)
         wait = number_field(frame, "wait", low=0, high=MAX_SOCKET_CLAIM_WAIT_SECONDS, default=0)
+        if wait and len(self.waiting) >= MAX_WAITING_CLAIMS:
+            raise InvalidRequest(f"{MAX_WAITING_CLAIMS} claims wait on this socket already: one claim may ask for "
+                                 f"{MAX_CLAIM} items")
         config = await self.work_queue(name)
         self.connection.queues.add(name)
         posted = hub.available_mark(name)

@@ -13,6 +13,7 @@ from .exceptions import InvalidJson, InvalidRequest
 MAX_CLAIM = 100  # items per claim
 MAX_HTTP_WAIT_SECONDS = 60  # a long-polling read or claim over HTTP
 MAX_SOCKET_CLAIM_WAIT_SECONDS = 300
+MAX_WAITING_CLAIMS = 1000  # claims waiting at once on one socket: each costs the loop a look a second
 MAX_LEASE_SECONDS = 86400  # an extension
 MAX_RESULTS = 1000  # results in one socket frame
 MAX_POST_DELAY_SECONDS = 30 * 86400  # a scheduled post's `delay`

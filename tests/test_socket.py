@@ -738,6 +738,23 @@ async def test_the_bridge_tells_the_process_whose_socket_holds_a_canceled_item()
         assert await asyncio.wait_for(told, TIMEOUT) == ("jobs", MISSING_ID)
 
 
+async def test_claims_waiting_on_one_socket_are_capped_and_the_socket_goes_on(token, monkeypatch):
+    """Each waiting claim costs the event loop a look a second: a socket that sends thousands
+    must not take the loop from everyone else."""
+    monkeypatch.setattr(consumers, "MAX_WAITING_CLAIMS", 2)
+    async with connected(token) as ws:
+        for ref in (1, 2):
+            await ws.send_json_to({"op": "claim", "queue": "jobs", "wait": 30, "ref": ref})
+        over = await ask(ws, {"op": "claim", "queue": "jobs", "wait": 30, "ref": 3})
+        assert (over["op"], over["ref"], over["code"]) == ("error", 3, "invalid_request")
+        assert (await ask(ws, {"op": "claim", "queue": "jobs", "ref": 4}))["items"] == []  # no wait: served
+        [item_id] = post("jobs", 1)
+        answer = await ws.receive_json_from(timeout=TIMEOUT)  # a waiting one takes it, and ends
+        assert answer["op"] == "items" and [item["id"] for item in answer["items"]] == [item_id]
+        again = await ask(ws, {"op": "claim", "queue": "jobs", "wait": 0.1, "ref": 5})  # room again
+        assert (again["op"], again["ref"], again["items"]) == ("items", 5, [])
+
+
 @pytest.fixture
 def one_try(queues):
     """`jobs` hands an item out once at most."""
