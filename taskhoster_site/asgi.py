@@ -4,7 +4,8 @@
   the hot path: each sync middleware costs a thread hop per request).
 - websockets: `/work` for workers (Channels).
 - everything else: Django (admin, dashboard, login, /metrics), with its static files served here
-  so `serve` needs no web server in front, even with DEBUG off.
+  so `serve` needs no web server in front, even with DEBUG off, and its request bodies limited
+  before Django reads them (queues/serving/bodies.py).
 """
 
 import os
@@ -25,6 +26,7 @@ from queues.access import AccessLog  # noqa: E402
 from queues.api import application as api_application  # noqa: E402
 from queues.consumers import WorkConsumer  # noqa: E402
 from queues.dashboard.consumers import LIVE_PATH, DashboardConsumer  # noqa: E402
+from queues.serving.bodies import LimitedBodies  # noqa: E402
 from queues.serving.stopping import AnswerWhenCut  # noqa: E402
 
 http_routes = [
@@ -62,7 +64,7 @@ application = AccessLog(
     AnswerWhenCut(
         ProtocolTypeRouter(
             {
-                "http": PathDispatcher(http_routes, ASGIStaticFilesHandler(django_application)),
+                "http": PathDispatcher(http_routes, LimitedBodies(ASGIStaticFilesHandler(django_application))),
                 "websocket": URLRouter(websocket_urlpatterns),
             }
         )
