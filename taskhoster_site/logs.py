@@ -25,6 +25,11 @@ class _Stamps:
         return self._text + self.millis % int((created - second) * 1000)
 
 
+# control characters in a message (a request's path, decoded from %0A, say) written escaped: a
+# message is one line, and nobody can add lines of their own making to the log
+_ESCAPES = {code: f"\\x{code:02x}" for code in (*range(0x20), 0x7F)} | {0x0A: "\\n", 0x0D: "\\r", 0x09: "\\t"}
+
+
 class TextFormatter(logging.Formatter):
     def __init__(self):
         super().__init__(TEXT_FORMAT)
@@ -32,6 +37,10 @@ class TextFormatter(logging.Formatter):
 
     def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
         return self._stamps(record.created)
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        record.message = record.message.translate(_ESCAPES)  # a traceback, added after, keeps its lines
+        return super().formatMessage(record)
 
 
 class JsonFormatter(logging.Formatter):

@@ -89,6 +89,26 @@ def test_a_text_line_has_the_utc_time_to_the_millisecond_the_level_and_the_logge
     assert formatter.format(record).startswith("2026-11-30 00:54:21.750Z ")
 
 
+@pytest.mark.django_db(transaction=True)
+async def test_a_path_with_control_characters_is_one_text_line_not_a_forged_second(api, access):
+    """A path is logged as the server decoded it: %0A would otherwise start a line of the
+    sender's own making."""
+    await api.get("/x%0A2026-01-01 00:00:00.000Z INFO taskhoster.access: POST /admin/ 200%0D%09%1B")
+    (line,) = [TextFormatter().format(record) for record in access()]
+    assert "\n" not in line and "\r" not in line and "\x1b" not in line
+    assert line.endswith(" INFO taskhoster.access: GET /x\\n2026-01-01 00:00:00.000Z INFO taskhoster.access: "
+                         "POST /admin/ 200\\r\\t\\x1b 404 " + line.split(" 404 ")[1])
+
+
+def test_a_traceback_keeps_its_lines_after_a_one_line_message():
+    try:
+        raise ValueError("broken")
+    except ValueError:
+        record = logging.getLogger("x").makeRecord("x", logging.ERROR, __file__, 1, "a\nb", (), sys.exc_info())
+    text = TextFormatter().format(record)
+    assert text.splitlines()[0].endswith("ERROR x: a\\nb") and text.splitlines()[-1] == "ValueError: broken"
+
+
 @pytest.mark.parametrize(("name", "value"), [("TASKHOSTER_LOG_LEVEL", "LOUD"), ("TASKHOSTER_LOG_FORMAT", "xml")])
 def test_a_bad_log_setting_stops_the_start_with_what_to_set(tmp_path, name, value):
     env = Deployment(tmp_path).environ() | {name: value}
