@@ -13,6 +13,7 @@ from django.test import Client
 from django.utils.html import escape
 
 from queues.dashboard import views
+from queues.exceptions import StorageUnavailable
 from queues.dashboard.display import chart_columns, format_duration
 from queues.dashboard.feed import SnapshotFeed
 from queues.dashboard.snapshot import take_snapshot
@@ -215,11 +216,21 @@ def test_a_page_past_the_end_says_so(staff_client, queue):
     assert b"Page 9 is past the end" in response.content
 
 
-@pytest.mark.parametrize("query", ["page=abc", "page=0", "page=-1", "state=lost"])
+@pytest.mark.parametrize("query", ["page=abc", "page=0", "page=-1", "state=lost", "page=%C2%B2", "page=" + "9" * 5000])
 def test_bad_list_parameters_get_a_clear_404(staff_client, queue, query):
     response = staff_client.get(f"/queues/thumbs/?{query}")
     assert response.status_code == 404
     assert b"No such" in response.content
+
+
+def test_a_pause_the_disk_refuses_is_said_so_not_a_server_error(staff_client, queue, monkeypatch):
+    def refused(*args, **kwargs):
+        raise StorageUnavailable("the data directory cannot be written: No space left on device")
+
+    monkeypatch.setattr(views, "save_queue", refused)
+    response = staff_client.post("/queues/thumbs/pause", follow=True)
+    assert response.status_code == 200
+    assert b"was not paused: the data directory cannot be written" in response.content
 
 
 def test_unknown_queue_gets_a_clear_404(staff_client, db):

@@ -98,7 +98,8 @@ def queue_items(request, name: str):
     if state not in LIST_STATES:
         return _not_found(request, "No such list", f"Items are listed as {', '.join(LIST_STATES)}.", queue)
     page = request.GET.get("page", "1")
-    if not page.isdigit() or int(page) < 1:
+    # ASCII digits only ("²" is a digit to isdigit(), not to int()), and not so many that int() refuses
+    if not (page.isascii() and page.isdigit() and len(page) <= 9) or int(page) < 1:
         return _not_found(request, "No such page", "Pages are numbered from 1.", queue)
     page = int(page)
     status = request.GET.get("status", "") if state == "done" else ""
@@ -280,7 +281,11 @@ def create_queue(request):
 def set_paused(request, name: str, paused: bool):
     if _find_queue(name) is None:
         return _no_queue(request, name)
-    save_queue(name, paused=paused)
+    try:
+        save_queue(name, paused=paused)
+    except StorageUnavailable as exc:
+        messages.error(request, f"Queue {name} was not {'paused' if paused else 'resumed'}: {exc.message}")
+        return _back(request, reverse("dashboard:queue", args=[name]))
     get_registry().invalidate()  # this process sees it at once; the others within a second
     if paused:
         messages.success(request, f"Queue {name} is paused: it takes posts and results but hands out no claims.")
