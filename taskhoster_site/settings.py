@@ -68,6 +68,9 @@ CSRF_TRUSTED_ORIGINS = env.list("CSRF_TRUSTED_ORIGINS", default=[])
 SECURE_PROXY_SSL_HEADER = _proxy_ssl_header()
 SESSION_COOKIE_SECURE = env.bool("SESSION_COOKIE_SECURE", default=False)
 CSRF_COOKIE_SECURE = env.bool("CSRF_COOKIE_SECURE", default=False)
+# messages kept in the session, not in a cookie: the admin shows a new token's value in one, and
+# a cookie is only signed, not encrypted, and goes through whatever logs cookies on the way
+MESSAGE_STORAGE = "django.contrib.messages.storage.session.SessionStorage"
 SECURE_HSTS_SECONDS = env.int("SECURE_HSTS_SECONDS", default=0)
 
 TASKHOSTER_DATA_DIR = Path(env.str("TASKHOSTER_DATA_DIR", default=str(VAR_DIR / "data")))
