@@ -10,6 +10,7 @@ import pytest
 from queues.store import QueueConfig, Store
 from queues.store.sweep import ID_CLOCK_MARGIN_SECONDS, STALE_SECONDS
 from queues.sweep import Sweeper
+from store_support import first_listing_done
 from storekit import finish, post_batch, release
 
 QUIET = {"promoted": 0, "repaired": 0, "failed": 0, "requeued": 0, "deleted": 0, "tmpRemoved": 0}
@@ -90,6 +91,7 @@ def test_what_the_sweep_requeues_and_fails_is_told_so_waiters_wake(tmp_path, clo
     store = Store(tmp_path / "data", fsync=False, clock=clock, events=events)
     first, second = (i.id for i in post_batch(store, "jobs", [1, 2]))
     store.claim_items(config=config)
+    first_listing_done(store, "jobs")  # its wake-up, if any, is not the sweep's
     clock.advance(config.lease_seconds + 1)
     sweeper = Sweeper(store, lambda: [config])
     events.heard.clear()
