@@ -78,16 +78,11 @@ class Request:
                 return b"".join(chunks)
 
     async def json(self, *, when_empty=NO_BODY):
-        """The body parsed as JSON; `when_empty` stands in for an empty body if given. Its bytes
-        leave the budget once parsed: a long poll padded with spaces holds none of it."""
+        """The body parsed as JSON; `when_empty` stands in for an empty body if given."""
         raw = await self.body()
-        try:
-            if not raw.strip() and when_empty is not NO_BODY:
-                return when_empty
-            return parse_json(raw)
-        finally:
-            self._budget.give_back(self._budget_taken)
-            self._budget_taken = 0
+        if not raw.strip() and when_empty is not NO_BODY:
+            return when_empty
+        return parse_json(raw)
 
     def _check_size(self, size: int) -> None:
         if size > self.max_body_bytes:
@@ -102,7 +97,10 @@ class Request:
     # ---- noticing a client that left while its answer waits (long-polls) --------------------
 
     def watch_disconnect(self) -> None:
-        """Start noticing a disconnect; call once the body has been read."""
+        """Start noticing a disconnect; call once the body has been read and handled, before a
+        long wait: its bytes leave the budget then, so a long poll padded with spaces holds none."""
+        self._budget.give_back(self._budget_taken)
+        self._budget_taken = 0
         if self._watcher is None:
             self._watcher = asyncio.ensure_future(self._watch())
 

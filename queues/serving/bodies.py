@@ -1,22 +1,24 @@
 """Request bodies for Django's part of the site (admin, dashboard, login, /metrics). Django reads
 a whole body into a temporary file before any of its own checks (allowed hosts, login, CSRF)
-run, so anyone could fill the disk with one endless upload. Here a body is read first, within the
-process's budget of body bytes (budget.py): over SITE_BODY_BYTES it is answered 413, and one that
-stops coming for BODY_IDLE_SECONDS is answered 400, before Django sees the request; a body that
-fits is handed to Django whole."""
+run, so anyone could fill the disk with one endless upload. Here a body is read first: over
+SITE_BODY_BYTES it is answered 413, one that stops coming for BODY_IDLE_SECONDS, or is not whole
+after BODY_SECONDS, 400, before Django sees the request; a body that fits is handed to Django
+whole. These bodies have a budget of their own (budget.py), not the API's and the sockets':
+whoever sends them has shown no token yet."""
 
 import asyncio
 
-from django.conf import settings
-
-from ..budget import BODIES_AT_ONCE, BUSY_RETRY_SECONDS, receiving
+from ..budget import BUSY_RETRY_SECONDS, BodyBudget
 from ..exceptions import Busy
 
 SITE_BODY_BYTES = 1 << 20  # the site's forms are a few KiB
+SITE_BODIES_AT_ONCE = 8  # of the largest size: past that, 503 busy
 BODY_IDLE_SECONDS = 10  # as long as a request head may take
+BODY_SECONDS = 30  # a trickle of a byte every few seconds is not a form
+site_receiving = BodyBudget()
 
 _TOO_LARGE = (413, f"The request body is over {SITE_BODY_BYTES} bytes.\n".encode())
-_STOPPED = (400, f"The request body stopped coming for {BODY_IDLE_SECONDS} s.\n".encode())
+_STOPPED = (400, f"The request body stopped coming for {BODY_IDLE_SECONDS} s, or took over {BODY_SECONDS} s.\n".encode())
 
 
 class LimitedBodies:
@@ -30,10 +32,12 @@ class LimitedBodies:
         if declared is not None and declared.strip().isdigit() and int(declared) > SITE_BODY_BYTES:
             return await _answer(send, *_TOO_LARGE)
         chunks, held = [], 0
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + BODY_SECONDS
         try:
             while True:
                 try:
-                    message = await asyncio.wait_for(receive(), BODY_IDLE_SECONDS)
+                    message = await asyncio.wait_for(receive(), min(BODY_IDLE_SECONDS, deadline - loop.time()))
                 except TimeoutError:
                     return await _answer(send, *_STOPPED)
                 if message["type"] == "http.disconnect":
@@ -42,7 +46,7 @@ class LimitedBodies:
                 if held + len(chunk) > SITE_BODY_BYTES:
                     return await _answer(send, *_TOO_LARGE)
                 try:
-                    receiving.take(len(chunk), limit=BODIES_AT_ONCE * settings.TASKHOSTER_MAX_BODY_BYTES)
+                    site_receiving.take(len(chunk), limit=SITE_BODIES_AT_ONCE * SITE_BODY_BYTES)
                 except Busy as busy:
                     return await _answer(send, 503, f"{busy.message}; try again.\n".encode(),
                                          [(b"retry-after", str(BUSY_RETRY_SECONDS).encode())])
@@ -52,7 +56,7 @@ class LimitedBodies:
                     break
             return await self.application(scope, _replaying(b"".join(chunks), receive), send)
         finally:
-            receiving.give_back(held)
+            site_receiving.give_back(held)
 
 
 def _replaying(body: bytes, receive):
