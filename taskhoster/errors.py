@@ -48,8 +48,9 @@ _BY_CODE = {
 
 
 # codes that say nothing of the request itself: the server could not do it just now (its disk is
-# full, it sheds load, an unexpected fault), and the same request may well succeed a moment later
-PASSING_CODES = frozenset({"storage_unavailable", "busy", "internal_error"})
+# full, it sheds load), and the same request may well succeed a moment later. An unexpected fault
+# (internal_error) may come of the request itself: a result is not sent again and again for it
+PASSING_CODES = frozenset({"storage_unavailable", "busy"})
 
 
 def api_error(code: str, message: str, status: int | None = None) -> ApiError:

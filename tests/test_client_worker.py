@@ -39,7 +39,7 @@ QUEUES = {
     "unstored-many": {},
     "unstored-acks": {},
     "unstored-busy": {},
-    "unstored-fault": {},
+    "unstored-shed": {},
     "unstored-stop": {},
     "unstored-rest": {},
     "too-large": {},
@@ -416,13 +416,12 @@ def disk_full_for_two_hand_ins(monkeypatch, refusal: str = "error frame",
     ("queue", "count", "refusal", "code"),
     [("unstored-one", 1, "error frame", "storage_unavailable"), ("unstored-many", 3, "error frame", "storage_unavailable"),
      ("unstored-acks", 3, "acks", "storage_unavailable"), ("unstored-busy", 1, "error frame", "busy"),
-     ("unstored-fault", 3, "error frame", "internal_error")],
+     ("unstored-shed", 3, "error frame", "busy")],
 )
 def test_results_the_server_could_not_store_go_in_again_after_a_pause(live, producer, monkeypatch, queue, count,
                                                                       refusal, code):
-    """A full disk, load shed or a fault of the server's are passing troubles: the results stay
-    with the worker and go in again (not dropped, which would leave the items to be done again
-    once their leases lapse)."""
+    """A full disk or load shed are passing troubles: the results stay with the worker and go in
+    again (not dropped, which would leave the items to be done again once their leases lapse)."""
     monkeypatch.setattr(outbox_module, "RESULT_RETRY_SECONDS", 0.05)
     sent = disk_full_for_two_hand_ins(monkeypatch, refusal, code)
     gate = {}
