@@ -6,6 +6,7 @@ from django.urls import reverse
 from django.utils.html import format_html
 
 from .dashboard.display import STATES, format_duration
+from .exceptions import StorageUnavailable
 from .models import ApiToken, Queue
 from .runtime import get_registry, get_store
 from .services import delete_queue, save_queue, timeouts_lowered
@@ -85,11 +86,17 @@ class QueueAdmin(admin.ModelAdmin):
         self._set_paused(request, queryset, False)
 
     def _set_paused(self, request, queryset, paused: bool) -> None:
-        names = [queue.name for queue in queryset]
-        for name in names:
-            save_queue(name, paused=paused)
-        get_registry().invalidate()
-        self.message_user(request, f"{'Paused' if paused else 'Resumed'}: {', '.join(names)}.", messages.SUCCESS)
+        done = []
+        try:
+            for queue in queryset:
+                save_queue(queue.name, paused=paused)
+                done.append(queue.name)
+        except StorageUnavailable as exc:
+            self.message_user(request, f"Not all were {'paused' if paused else 'resumed'}: {exc.message}", messages.ERROR)
+        finally:
+            get_registry().invalidate()
+        if done:
+            self.message_user(request, f"{'Paused' if paused else 'Resumed'}: {', '.join(done)}.", messages.SUCCESS)
 
 
 class _CountsPerPage:

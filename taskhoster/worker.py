@@ -1,6 +1,6 @@
 """A worker: holds the /work socket, claims only as many items as it has free slots, runs the
 handler on each, keeps their leases while handlers run, hands results in (batched when many finish
-together), reconnects by itself, and stops gracefully on SIGTERM/SIGINT.
+together), reconnects by itself, and stops gracefully on SIGTERM, SIGINT or SIGHUP.
 
 Under load it spends few frames per item: what happens in one event-loop turn (handlers finishing,
 a claim or an ack coming back) is acted on once at the end of the turn, with one `results` frame
@@ -67,7 +67,7 @@ class Worker:
         self._early_stop: bool | None = None  # a stop() that came before the run: its `now`
 
     def run(self, handler: Handler) -> None:
-        """Work until SIGTERM or SIGINT (a second one skips the grace period). Raises
+        """Work until SIGTERM, SIGINT or SIGHUP (a second one skips the grace period). Raises
         ConnectionFailed if the server cannot be reached at the start, Unauthorized for a bad token,
         UnknownQueue or Forbidden for a queue it may not work, TypeError for a handler that does
         not take (payload, job). Logs to stderr when the program has not set up logging."""
@@ -103,7 +103,11 @@ class Worker:
 
     async def _run_until_signalled(self, handler: Handler) -> None:
         loop = asyncio.get_running_loop()
-        signals = (signal.SIGTERM, signal.SIGINT)
+        # a hang-up (its terminal closed) stops it as SIGTERM does, unless it is ignored (nohup):
+        # else the worker would die at once, and the commands `taskhoster work` runs, each in a
+        # session of its own, would run on unheard
+        hang_up = () if signal.getsignal(signal.SIGHUP) is signal.SIG_IGN else (signal.SIGHUP,)
+        signals = (signal.SIGTERM, signal.SIGINT, *hang_up)
         for signum in signals:
             loop.add_signal_handler(signum, self._on_signal)
         try:

@@ -133,6 +133,26 @@ def test_pause_and_resume_actions(admin_client):
     assert set(Queue.objects.values_list("paused", flat=True)) == {False}
 
 
+def test_a_pause_the_disk_refuses_says_what_was_paused_and_why_not_the_rest(admin_client, monkeypatch):
+    from queues import admin as admin_module
+    from queues.exceptions import StorageUnavailable
+
+    save_queue("emails")
+    save_queue("thumbs")
+    real_save = admin_module.save_queue
+
+    def save(name, **changes):
+        if name == "thumbs":
+            raise StorageUnavailable("the data directory cannot be written: No space left on device")
+        return real_save(name, **changes)
+
+    monkeypatch.setattr(admin_module, "save_queue", save)
+    ids = [str(pk) for pk in Queue.objects.order_by("name").values_list("pk", flat=True)]
+    response = admin_client.post("/admin/queues/queue/", {"action": "pause_queues", "_selected_action": ids}, follow=True)
+    assert response.status_code == 200
+    assert b"Paused: emails." in response.content and b"Not all were paused: the data directory" in response.content
+
+
 def test_deleting_a_queue_deletes_its_items(admin_client, settings):
     queue = save_queue("thumbs")
     post_batch(get_store(), "thumbs", [1])

@@ -308,9 +308,10 @@ def test_work_with_retry_gives_a_failing_item_back_until_its_command_succeeds(li
     assert last_error["stderr"] == "try 2 of 3 failed\n"
 
 
-def test_work_lets_a_running_command_finish_on_a_ctrl_c_at_its_terminal(live, producer, tmp_path):
-    """A Ctrl-C reaches every process of the terminal's foreground group: the worker's, not the
-    command's, which runs on and hands in its result before the worker exits."""
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGHUP], ids=["ctrl-c", "hang-up"])
+def test_work_lets_a_running_command_finish_on_a_ctrl_c_or_hang_up_at_its_terminal(live, producer, tmp_path, signum):
+    """A Ctrl-C or a hang-up reaches every process of the terminal's foreground group: the
+    worker's, not the command's, which runs on and hands in its result before the worker exits."""
     slow = script(tmp_path, "slow.sh", "#!/bin/sh\ntouch \"$1\"\nsleep 1\necho '\"finished\"'\n")
     started = tmp_path / "started"
     worker = subprocess.Popen(cli_command("work", "terminal", "--", str(slow), str(started)), cwd=PROJECT_DIR,
@@ -322,7 +323,7 @@ def test_work_lets_a_running_command_finish_on_a_ctrl_c_at_its_terminal(live, pr
         while not started.exists():
             assert time.monotonic() < deadline, "the command never started"
             time.sleep(0.02)
-        os.killpg(worker.pid, signal.SIGINT)  # as the terminal does on Ctrl-C
+        os.killpg(worker.pid, signum)  # as the terminal does
         assert worker.wait(30) == 0
     finally:
         if worker.poll() is None:
