@@ -27,7 +27,8 @@ class _Stamps:
 
 # control characters in a message (a request's path, decoded from %0A, say) written escaped: a
 # message is one line, and nobody can add lines of their own making to the log
-_ESCAPES = {code: f"\\x{code:02x}" for code in (*range(0x20), 0x7F)} | {0x0A: "\\n", 0x0D: "\\r", 0x09: "\\t"}
+_ESCAPES = ({code: f"\\x{code:02x}" for code in (*range(0x20), *range(0x7F, 0xA0))}
+            | {0x2028: "\\u2028", 0x2029: "\\u2029", 0x0A: "\\n", 0x0D: "\\r", 0x09: "\\t"})
 
 
 class TextFormatter(logging.Formatter):

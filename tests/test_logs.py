@@ -100,6 +100,12 @@ async def test_a_path_with_control_characters_is_one_text_line_not_a_forged_seco
                          "POST /admin/ 200\\r\\t\\x1b 404 " + line.split(" 404 ")[1])
 
 
+def test_every_line_breaker_in_a_message_is_escaped():
+    record = logging.getLogger("x").makeRecord("x", logging.INFO, __file__, 1, "%s", ("a\x85b\u2028c\u2029d\x0be",), None)
+    line = TextFormatter().format(record)
+    assert len(line.splitlines()) == 1 and line.endswith("a\\x85b\\u2028c\\u2029d\\x0be")
+
+
 def test_a_traceback_keeps_its_lines_after_a_one_line_message():
     try:
         raise ValueError("broken")
