@@ -18,6 +18,7 @@ class Sweeper:
     def __init__(self, store: Store, configs: Callable[[], Iterable[QueueConfig]]):
         self.store = store
         self.configs = configs
+        self._queue_seconds: dict[str, int] = {}  # each queue's limit at the last pass
 
     def sweep_once(self) -> dict[str, dict[str, int]]:
         """One pass; returns what changed per queue (queues with no change are left out)."""
@@ -33,6 +34,12 @@ class Sweeper:
         return changes
 
     def _sweep_queue(self, config: QueueConfig) -> dict[str, int]:
+        before = self._queue_seconds.get(config.name)
+        if before is not None and config.queue_seconds < before:
+            # lowered: the change's save marked what was scheduled then; this process may have
+            # scheduled more under the old limit until it heard of it
+            self.store.mark_timeouts(config=config)
+        self._queue_seconds[config.name] = config.queue_seconds
         changes = self.store.sweep_queue(config=config)
         return {
             "promoted": len(changes.promoted),

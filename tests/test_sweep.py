@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from queues.store import QueueConfig, Store
+from queues.store import NewItem, QueueConfig, Store
 from queues.store.sweep import ID_CLOCK_MARGIN_SECONDS, STALE_SECONDS
 from queues.sweep import Sweeper
 from store_support import first_listing_done
@@ -101,6 +101,19 @@ def test_what_the_sweep_requeues_and_fails_is_told_so_waiters_wake(tmp_path, clo
     clock.advance(config.queue_seconds)
     sweeper.sweep_once()
     assert sorted(events.heard) == [("terminal", "jobs", [first]), ("terminal", "jobs", [second])]
+
+
+def test_a_sweep_that_sees_the_queue_timeout_lowered_marks_what_was_scheduled_under_the_old(store, clock, config):
+    """Posted by this process after the change was saved, before it heard of it."""
+    current = [config]
+    sweeper = Sweeper(store, lambda: current)
+    sweeper.sweep_once()
+    (item,) = store.post_items(config=config, items=[NewItem(1, run_at=clock.now + 500)])
+    current[:] = [replace(config, queue_seconds=100)]
+    sweeper.sweep_once()
+    clock.advance(101)
+    sweeper.sweep_once()
+    assert (store.read_item(queue="jobs", item_id=item.item.id).error) == "timeout"
 
 
 def test_one_queue_failing_does_not_stop_the_others(store, clock, config, monkeypatch, caplog):
