@@ -1,6 +1,7 @@
 """Shared by the API tests: queues, tokens, a client for the whole ASGI application, and a
 snapshot of the data directory to prove that a refused call changed nothing."""
 
+import asyncio
 from pathlib import Path
 
 import httpx
@@ -55,3 +56,22 @@ async def api():
     transport = httpx.ASGITransport(app=application)
     async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as client:
         yield client
+
+
+class FedRequest:
+    """An HTTP request to the ASGI application `app`, its body handed over by the test a message
+    at a time (`parts`): `reads` counts how often the application asked for more, `messages` holds
+    what it sent back, `task` runs it."""
+
+    def __init__(self, app, scope: dict):
+        self.reads = 0
+        self.parts: asyncio.Queue = asyncio.Queue()
+        self.messages: list[dict] = []
+        self.task = asyncio.ensure_future(app(scope, self._receive, self._send))
+
+    async def _receive(self) -> dict:
+        self.reads += 1
+        return await self.parts.get()
+
+    async def _send(self, message: dict) -> None:
+        self.messages.append(message)

@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from api_support import bearer, disk_snapshot, queues, tokens  # noqa: F401  (fixtures)
+from api_support import FedRequest, bearer, disk_snapshot, queues, tokens  # noqa: F401  (fixtures)
 from queues import budget
 from queues.api import requests as requests_module
 from queues.api.app import application
@@ -29,27 +29,17 @@ def body_of(size: int) -> bytes:
     return json.dumps({"payload": "x" * (size - len(shell))}).encode()
 
 
-class Upload:
+class Upload(FedRequest):
     """One post of `body` to the `jobs` queue; the test hands its parts over with `send()`."""
 
     def __init__(self, token: str, body: bytes, *, declare_length: bool = True):
         self.body, self.sent = body, 0
-        self.reads = 0  # how often the application asked for more of the body
-        self.parts: asyncio.Queue = asyncio.Queue()
-        self.messages: list[dict] = []
         headers = [(b"authorization", bearer(token)["Authorization"].encode()), (b"content-type", b"application/json")]
         if declare_length:
             headers.append((b"content-length", str(len(body)).encode()))
         scope = {"type": "http", "method": "POST", "path": "/api/queues/jobs/items", "headers": headers,
                  "query_string": b""}
-        self.task = asyncio.ensure_future(application(scope, self._receive, self._send))
-
-    async def _receive(self) -> dict:
-        self.reads += 1
-        return await self.parts.get()
-
-    async def _send(self, message: dict) -> None:
-        self.messages.append(message)
+        super().__init__(application, scope)
 
     async def send(self, size: int | None = None) -> None:
         """Hand over the next `size` bytes (all the rest by default), and wait until the

@@ -319,10 +319,7 @@ def test_work_lets_a_running_command_finish_on_a_ctrl_c_or_hang_up_at_its_termin
                               start_new_session=True)  # a group of its own, as a terminal's job
     try:
         item = producer.post("terminal", 1)
-        deadline = time.monotonic() + 30
-        while not started.exists():
-            assert time.monotonic() < deadline, "the command never started"
-            time.sleep(0.02)
+        wait_for_file(started, "the command never started")
         os.killpg(worker.pid, signum)  # as the terminal does
         assert worker.wait(30) == 0
     finally:
@@ -330,6 +327,13 @@ def test_work_lets_a_running_command_finish_on_a_ctrl_c_or_hang_up_at_its_termin
             worker.kill()
         worker.communicate()
     assert producer.get("terminal", item["id"])["result"] == "finished"
+
+
+def wait_for_file(path: Path, what: str) -> None:
+    deadline = time.monotonic() + 30
+    while not path.exists():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
 
 
 def _running(pid: int) -> bool:
@@ -347,14 +351,12 @@ def test_work_kills_a_canceled_item_s_command_and_what_it_started(live, producer
                               env=client_env(live), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         item = producer.post("terminal", 1)
-        deadline = time.monotonic() + 30
-        while not started.exists():
-            assert time.monotonic() < deadline, "the command never started its own child"
-            time.sleep(0.02)
+        wait_for_file(started, "the command never started its own child")
         grandchild = int(started.read_text())
         producer.cancel("terminal", item["id"])
+        deadline = time.monotonic() + 30
         while _running(grandchild):
-            assert time.monotonic() < deadline + 30, "the command's own child outlived the cancel"
+            assert time.monotonic() < deadline, "the command's own child outlived the cancel"
             time.sleep(0.02)
     finally:
         worker.send_signal(signal.SIGTERM)

@@ -770,9 +770,22 @@ async def test_a_server_that_stops_answering_is_left_for_a_fresh_socket(monkeypa
 # ---- end to end ----------------------------------------------------------------------------------
 
 
-def test_a_slow_handler_keeps_its_lease_by_heartbeat_and_finishes_once(live, producer):
+@pytest.mark.parametrize(("queue", "refusals"), [("heartbeat", 0), ("heartbeat-busy", 2)],
+                         ids=["renewed", "renewed after two busy answers"])
+def test_a_slow_handler_keeps_its_lease_by_heartbeat_and_finishes_once(live, producer, monkeypatch, queue, refusals):
     """leaseSeconds 2, a handler of ~5 s: without renewals the sweep would re-queue the item and
-    the second worker, waiting on the same queue, would get it."""
+    the second worker, waiting on the same queue, would get it. Renewals the server answers
+    `busy` are tried again within the lease, not given up."""
+    refused = []
+    request = Link.request
+
+    async def busy_at_first(self, frame, **options):
+        if isinstance(frame, dict) and frame.get("op") == "extend" and len(refused) < refusals:
+            refused.append(frame["id"])
+            raise api_error("busy", "the server sheds load for a moment")
+        return await request(self, frame, **options)
+
+    monkeypatch.setattr(Link, "request", busy_at_first)
     calls, rival_calls = [], []
 
     def slow(payload, job):
@@ -780,42 +793,13 @@ def test_a_slow_handler_keeps_its_lease_by_heartbeat_and_finishes_once(live, pro
         time.sleep(5)
         return "slow but sure"
 
-    item = producer.post("heartbeat", "x")
-    with working(Worker(live.url, live.token, queues=["heartbeat"]), slow):
+    item = producer.post(queue, "x")
+    with working(Worker(live.url, live.token, queues=[queue]), slow):
         wait_until(lambda: calls, what="the slow handler to start")
-        with working(Worker(live.url, live.token, queues=["heartbeat"]), lambda p, job: rival_calls.append(job.id)):
-            assert producer.result("heartbeat", item["id"], timeout=30) == "slow but sure"
-    assert calls == [1] and rival_calls == []
-    assert producer.get("heartbeat", item["id"])["attempts"] == 1
-
-
-def test_a_lease_renewal_the_server_could_not_make_for_now_is_tried_again(live, producer, monkeypatch):
-    """Its first two renewals answered `busy`: tried again within the lease, not given up, so
-    the sweep never hands the item to the rival worker."""
-    refused = []
-    request = Link.request
-
-    async def busy_twice(self, frame, **options):
-        if isinstance(frame, dict) and frame.get("op") == "extend" and len(refused) < 2:
-            refused.append(frame["id"])
-            raise api_error("busy", "the server sheds load for a moment")
-        return await request(self, frame, **options)
-
-    monkeypatch.setattr(Link, "request", busy_twice)
-    calls, rival_calls = [], []
-
-    def slow(payload, job):
-        calls.append(job.attempts)
-        time.sleep(4)
-        return "kept"
-
-    item = producer.post("heartbeat-busy", "x")
-    with working(Worker(live.url, live.token, queues=["heartbeat-busy"]), slow):
-        wait_until(lambda: calls, what="the slow handler to start")
-        with working(Worker(live.url, live.token, queues=["heartbeat-busy"]),
-                     lambda p, job: rival_calls.append(job.id)):
-            assert producer.result("heartbeat-busy", item["id"], timeout=30) == "kept"
-    assert (refused, calls, rival_calls) == ([item["id"]] * 2, [1], [])
+        with working(Worker(live.url, live.token, queues=[queue]), lambda p, job: rival_calls.append(job.id)):
+            assert producer.result(queue, item["id"], timeout=30) == "slow but sure"
+    assert (refused, calls, rival_calls) == ([item["id"]] * refusals, [1], [])
+    assert producer.get(queue, item["id"])["attempts"] == 1
 
 
 def test_a_producer_and_two_worker_processes_work_500_items(live, producer, tmp_path):

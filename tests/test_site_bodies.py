@@ -7,6 +7,7 @@ import re
 
 import pytest
 
+from api_support import FedRequest
 from queues import budget
 from queues.serving import bodies
 from taskhoster_site.asgi import application
@@ -15,7 +16,7 @@ pytestmark = pytest.mark.django_db(transaction=True)
 WAIT_SECONDS = 10.0  # only ever waited out when a test is about to fail
 
 
-class Post:
+class Post(FedRequest):
     """An anonymous POST to the admin's login page; the test hands over its body's parts."""
 
     def __init__(self, *, declared: int | None = None, extra_headers: list = ()):
@@ -24,17 +25,7 @@ class Post:
             headers.append((b"content-length", str(declared).encode()))
         scope = {"type": "http", "method": "POST", "path": "/admin/login/", "headers": headers, "query_string": b"",
                  "http_version": "1.1", "scheme": "http", "server": ("localhost", 8000), "client": ("127.0.0.1", 5)}
-        self.parts: asyncio.Queue = asyncio.Queue()
-        self.reads = 0
-        self.messages: list[dict] = []
-        self.task = asyncio.ensure_future(application(scope, self._receive, self._send))
-
-    async def _receive(self) -> dict:
-        self.reads += 1
-        return await self.parts.get()
-
-    async def _send(self, message: dict) -> None:
-        self.messages.append(message)
+        super().__init__(application, scope)
 
     def send(self, body: bytes, *, more: bool) -> None:
         self.parts.put_nowait({"type": "http.request", "body": body, "more_body": more})
