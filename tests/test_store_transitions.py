@@ -85,6 +85,8 @@ def test_a_post_tells_waiting_claims_once_its_items_can_be_claimed(tmp_path, clo
             pass
 
     store = Store(tmp_path / "data", fsync=False, clock=clock, events=Events())
+    store.ensure_queue(Q)
+    first_listing_done(store)  # a queue's first listing tells of what it finds, on its own time
     posted = post(store, 1, 2)
     assert told == [(Q, 2, sorted(f"{i}.json" for i in posted))]
 
