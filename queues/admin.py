@@ -2,6 +2,7 @@ import json
 
 from django import forms
 from django.contrib import admin, messages
+from django.db import transaction
 from django.urls import reverse
 from django.utils.html import format_html
 
@@ -65,7 +66,9 @@ class QueueAdmin(admin.ModelAdmin):
     def save_model(self, request, obj, form, change):
         super().save_model(request, obj, form, change)
         get_store().ensure_queue(obj.name)
-        timeouts_lowered(obj, form.initial.get("queue_seconds") if change else None)
+        # once saved for good: the admin's form view is one transaction
+        before = form.initial.get("queue_seconds") if change else None
+        transaction.on_commit(lambda: timeouts_lowered(obj, before))
         get_registry().invalidate()  # this process sees the change at once; the others within a second
 
     def delete_model(self, request, obj):

@@ -28,8 +28,8 @@ from .threads import in_thread
 
 log = logging.getLogger(__name__)
 
-# set by the server (serving/) once it begins to stop: what its sockets hold then goes back
-# without counting the try; a worker's own close never does, whatever its close code
+# set by the server (serving/, and runserver) once it begins to stop: what its sockets hold then
+# goes back without counting the try; a worker's own close never does, whatever its close code
 server_stopping = threading.Event()
 
 STORE_THREADS = 2  # one runs while the other waits for the disk; more would only queue for the turn

@@ -1,11 +1,16 @@
 """Queue records and their directories, kept in step."""
 
+import logging
+
 from django.core.exceptions import ValidationError
 from django.db import transaction
 
+from .exceptions import StorageUnavailable
 from .models import Queue
 from .runtime import get_store
 from .store import Counts, QueueConfig
+
+log = logging.getLogger(__name__)
 
 SETTING_FIELDS = ("lease_seconds", "queue_seconds", "retain_seconds", "retain_from", "paused", "max_attempts")
 
@@ -25,15 +30,21 @@ def save_queue(name: str, **changes) -> Queue:
         queue.full_clean()
         queue.save()
         get_store().ensure_queue(queue.name)  # inside: a queue whose directory cannot be made is not saved
-        timeouts_lowered(queue, before)
+    timeouts_lowered(queue, before)
     return queue
 
 
 def timeouts_lowered(queue: Queue, before: int | None) -> None:
-    """Once a queue's queueSeconds was lowered from `before`, its scheduled items age out by the
-    new one too (see Store.mark_timeouts)."""
-    if before is not None and queue.queue_seconds < before:
+    """Once a queue's queueSeconds was lowered from `before` (and saved: an item failed for it is
+    not taken back), its scheduled items age out by the new one too (see Store.mark_timeouts). A
+    disk that refuses it is logged: each server's sweep tries again when it sees the change."""
+    if before is None or queue.queue_seconds >= before:
+        return
+    try:
         get_store().mark_timeouts(config=queue.config())
+    except StorageUnavailable:
+        log.warning("could not mark the scheduled items of %s for its lower queueSeconds", queue.name,
+                    exc_info=True)
 
 
 def delete_queue(queue: Queue) -> None:

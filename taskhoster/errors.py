@@ -2,7 +2,8 @@
 
 
 class TaskhosterError(Exception):
-    """Base of every error the client raises."""
+    """Base of every error the server or the network causes (arguments a call cannot take raise
+    ValueError or TypeError, as Python's own do)."""
 
 
 class ConnectionFailed(TaskhosterError):

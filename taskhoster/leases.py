@@ -50,7 +50,7 @@ class Leases:
     """The items held while their handlers run. One timer serves them all, set for the earliest
     renewal due: most handlers finish long before theirs, and a timer per item would be made and
     cancelled for nothing (each one a push into the loop's heap of timers). A renewal the server
-    could not make for now (busy, a full disk, a fault) is tried again soon; one refused otherwise
+    could not make for now (busy, a full disk) is tried again soon; one refused otherwise
     is not: the item is no longer held (finished elsewhere, timed out) or its socket closed, and
     the server has re-queued it; the handler's result may still be accepted."""
 
@@ -123,8 +123,7 @@ class Leases:
                 {"op": "extend", "queue": job.queue, "id": job.id, "seconds": max(1, math.ceil(job.lease_seconds))}
             )
         except ApiError as exc:
-            # a renewal's fault may pass too: trying it again costs nothing
-            if exc.code in (*PASSING_CODES, "internal_error") and self._held.get(job.id) is lease and lease.due is None:
+            if exc.code in PASSING_CODES and self._held.get(job.id) is lease and lease.due is None:
                 pause = min(EXTEND_RETRY_SECONDS, job.lease_seconds / 8)  # several tries before it lapses
                 log.warning("could not renew the lease of %s %s (%s); trying again in %g s", job.queue, job.id,
                             exc, pause)

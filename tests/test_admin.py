@@ -108,12 +108,13 @@ def test_settings_saved_in_the_admin_reach_this_process_at_once(admin_client):
 
 
 @pytest.mark.parametrize("how", ["admin", "save_queue"])
-def test_a_lowered_queue_timeout_marks_the_scheduled_items_for_it(admin_client, how):
+def test_a_lowered_queue_timeout_marks_the_scheduled_items_for_it(admin_client, how, django_capture_on_commit_callbacks):
     queue = save_queue("thumbs", queue_seconds=86400)
     store = get_store()
     (posted,) = store.post_items(config=queue.config(), items=[NewItem(1, run_at=store.clock() + 80000)])
     if how == "admin":
-        admin_client.post(f"/admin/queues/queue/{queue.pk}/change/", {**VALID_QUEUE, "queue_seconds": "3600"})
+        with django_capture_on_commit_callbacks(execute=True):  # the test's transaction never commits
+            admin_client.post(f"/admin/queues/queue/{queue.pk}/change/", {**VALID_QUEUE, "queue_seconds": "3600"})
     else:
         save_queue("thumbs", queue_seconds=3600)
     ages_out = f"{ids.id_millis(posted.item.id) + 3_600_000:013d}.{posted.item.id}.read"

@@ -328,6 +328,45 @@ def test_an_item_marked_again_for_its_run_at_that_comes_due_meanwhile_is_promote
     assert states_of(store, held) == ["pending"] and due_marks(store) == []
 
 
+def test_a_mark_gone_with_its_item_promoted_is_not_made_again(store, clock, config):
+    """Made again, such a mark would promote the item early, once scheduled again by a release."""
+    from queues.store.promote import promote_if_due
+    from queues.store.schedule import DueMark
+
+    (posted,) = store.post_items(config=config, items=[NewItem(1, run_at=clock.now + 30)])
+    (path,) = (queue_dir(store, Q) / "schedule").glob("*/*")
+    mark = DueMark(clock.now + 30, posted.item.id, str(path), at_run_at=True)
+    ahead = alongside(store, clock=FakeClock(clock.now + 31))  # a host whose clock is ahead
+    assert ahead.promote_due(config=config) == [posted.item.id]
+    assert promote_if_due(store._items, config, [mark]) == set()
+    assert due_marks(store) == []
+
+
+def test_a_release_promoted_at_once_tells_waiting_claims_once(tmp_path, clock, config):
+    told = []
+
+    class Events(NoEvents):
+        def items_available(self, queue, count):
+            told.append(count)
+
+    store = Store(tmp_path / "data", fsync=False, clock=clock, events=Events())
+    (item_id,) = schedule(store, config, None)
+    claim = claim_one(store, config)
+    first_listing_done(store)
+    told.clear()
+    run_at = (int(clock.now) // SLOT_SECONDS + 1) * SLOT_SECONDS - 0.001
+
+    def late():
+        clock.now = run_at + 1  # due by the time the item shows in scheduled/
+
+    files.fault = _once_before("/schedule/", late)
+    try:
+        assert release(store, config, item_id, claim.claim_token, delay=run_at - clock.now).status == "pending"
+    finally:
+        files.fault = None
+    assert told == [1]
+
+
 def test_a_post_whose_item_came_due_but_could_not_be_promoted_stands_and_a_later_look_promotes_it(store, clock, config, monkeypatch, caplog):
     run_at = clock.now + 1
 
@@ -486,14 +525,22 @@ def test_a_retry_made_again_after_a_crash_between_its_two_steps_makes_one_new_it
 
 def _elsewhere(data_dir, code: str, *, within: float = 2.0) -> bool:
     """Run `code` (with `store`, a Store over `data_dir`) in another process, as a transition of
-    another server would be; whether it ended within `within` seconds (else it is stopped: it was
-    waiting for a lock)."""
-    script = f"from queues.store import *\nstore = Store({str(data_dir)!r}, fsync=False)\n{code}"
+    another server would be; whether it ended within `within` seconds of its start (else it is
+    stopped: it was waiting for a lock). Its start-up is not counted."""
+    script = f"from queues.store import *\nstore = Store({str(data_dir)!r}, fsync=False)\nprint('ready', flush=True)\n{code}"
+    process = subprocess.Popen([sys.executable, "-c", script], cwd=PROJECT_DIR, stdout=subprocess.PIPE, text=True)
     try:
-        subprocess.run([sys.executable, "-c", script], cwd=PROJECT_DIR, check=True, timeout=within)
+        assert process.stdout.readline() == "ready\n", "the other process did not start"
+        process.wait(within)
+        assert process.returncode == 0
         return True
     except subprocess.TimeoutExpired:
         return False
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.wait()
+        process.stdout.close()
 
 
 def test_a_retry_asked_again_finds_its_new_item_though_another_process_moves_it_meanwhile(store, clock, config, monkeypatch):

@@ -10,7 +10,7 @@
     schedule     which scheduled items are due, from marks named for when
     promote      moving scheduled items that came due to pending
     keys         idempotency keys: which item holds each, and their locks
-    requeue      giving an item back: now, later, or ended at its maxAttempts
+    requeue      giving an item back: now, later, or ended (too old, or at its maxAttempts)
     transitions  the Store: one public method per transition
     sweep        one pass over a queue's timers and crash leftovers
     stats        counts and listings; tallies: items ended per minute

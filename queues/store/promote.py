@@ -40,7 +40,10 @@ def promote_if_due(items: ItemFiles, config: QueueConfig, marks: list[DueMark]) 
     if not marks:
         return set()
     try:
-        gone = [mark for mark in marks if not files.exists(mark.path)]
+        # a mark missing while its item is in scheduled/ was removed as stale; one missing with
+        # its item moved on went with a promotion, and is not made again
+        gone = [mark for mark in marks if not files.exists(mark.path)
+                and files.exists(items.layout.item(config.name, "scheduled", mark.item_id))]
         for mark in gone:
             items.schedule.write(mark)
         if gone:
@@ -49,8 +52,7 @@ def promote_if_due(items: ItemFiles, config: QueueConfig, marks: list[DueMark]) 
         due = [mark for mark in marks if mark.due <= now]
         return set(promote(items, config, due, now)) if due else set()
     except OSError:
-        log.warning("could not promote the items of %s that came due as they were scheduled", config.name,
-                    exc_info=True)
+        log.warning("could not promote the items of %s that are due already", config.name, exc_info=True)
         return set()
 
 

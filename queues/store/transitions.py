@@ -399,9 +399,9 @@ class Store:
 
     def release_items(self, *, releases: list[Release]) -> list[Item | TaskhosterError]:
         """Give processing items back (see `requeue`): to pending now, or scheduled after a delay,
-        or ended failed `max_attempts` at the queue's limit. A claim token given must still hold
-        its item, else NotHeld. Each release's outcome in order: the item as it is now, or the
-        error."""
+        or ended failed `timeout` when too old, or `max_attempts` at the queue's limit. A claim
+        token given must still hold its item, else NotHeld. Each release's outcome in order: the
+        item as it is now, or the error."""
         outcomes: list[Item | TaskhosterError] = []
         requeued: Counter[str] = Counter()
         for release in releases:
@@ -420,7 +420,8 @@ class Store:
                 outcomes.append(error)
                 continue
             outcomes.append(back)
-            requeued[queue] += back.status == "pending"
+            # one released with a delay and pending already was promoted, and waiters told, then
+            requeued[queue] += back.status == "pending" and release.delay <= 0
         for queue, count in requeued.items():
             if count:
                 self._items.events.items_available(queue, count)

@@ -83,9 +83,8 @@ class TaskRunner:
 
     def _in_thread(self, call: Callable[..., Any], *args: Any) -> Awaitable[Any]:
         """`call(*args)` in one of the task threads. A StopIteration from it (a task module's
-        import, a task_started receiver) comes back as a RuntimeError: before Python 3.13 an
-        asyncio future refuses it, so run_in_executor would never hand it back and the item would
-        wait forever."""
+        import, a task_started receiver) comes back as a RuntimeError: an asyncio future refuses
+        it as an exception (set_exception raises), and the item would wait forever."""
         if self._threads is None:
             self._threads = HandlerThreads()
         answer = asyncio.get_running_loop().create_future()

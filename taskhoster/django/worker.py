@@ -32,8 +32,8 @@ class DjangoWorker:
         return self._worker.queues
 
     def run(self) -> None:
-        """Work until SIGTERM or SIGINT: running tasks may finish within the grace period; one
-        that outlasts it is left to end with the process."""
+        """Work until SIGTERM, SIGINT or SIGHUP: running tasks may finish within the grace
+        period; one that outlasts it is left to end with the process."""
         runner = TaskRunner(self.backend, worker_id=self.worker_id)
         try:
             self._worker.run(runner)
