@@ -13,6 +13,8 @@ BODIES_AT_ONCE = 4
 # An upload refused for want of room is retried after this long: most others are done by then.
 BUSY_RETRY_SECONDS = 1
 ROOM_CHECK_SECONDS = 0.01  # how often a frame waiting for room looks again
+# a request body that stops coming for this long is refused: as long as a request head may take
+BODY_IDLE_SECONDS = 10
 
 
 class BodyBudget:

@@ -5,12 +5,11 @@ import asyncio
 from functools import cached_property
 from urllib.parse import parse_qsl
 
-from ..budget import BODIES_AT_ONCE, BodyBudget, receiving
+from ..budget import BODIES_AT_ONCE, BODY_IDLE_SECONDS, BodyBudget, receiving
 from ..exceptions import InvalidRequest, PayloadTooLarge
 from ..protocol import parse_json
 
 NO_BODY = object()
-BODY_IDLE_SECONDS = 10  # as long as a request head may take: a body that stops for this long is refused
 
 class ClientGone(Exception):
     """The client disconnected before its request was read: nobody is left to answer."""

@@ -8,12 +8,11 @@ whoever sends them has shown no token yet."""
 
 import asyncio
 
-from ..budget import BUSY_RETRY_SECONDS, BodyBudget
+from ..budget import BODY_IDLE_SECONDS, BUSY_RETRY_SECONDS, BodyBudget
 from ..exceptions import Busy
 
 SITE_BODY_BYTES = 1 << 20  # the site's forms are a few KiB
 SITE_BODIES_AT_ONCE = 8  # of the largest size: past that, 503 busy
-BODY_IDLE_SECONDS = 10  # as long as a request head may take
 BODY_SECONDS = 30  # a trickle of a byte every few seconds is not a form
 site_receiving = BodyBudget()
 

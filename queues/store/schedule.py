@@ -15,6 +15,7 @@ without reading it; a mark for another moment (when the item ages out, or ends) 
 
 import threading
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from .. import ids
@@ -82,29 +83,29 @@ class Schedule:
                 self._listed_at[queue] = time.monotonic()
         slots = set(range(start, current + 1)) if start is not None else set()
         if relist:
-            slots |= {int(name) for name in files.names(self.layout.directory(queue, "schedule"))
-                      if name.isdigit() and int(name) <= current}
-        marks = []
-        for slot in sorted(slots):
-            directory = self.layout.slot(queue, slot)
-            for name in files.names(directory):
-                mark = _parse(name, self.layout.in_slot(queue, slot, name))
-                if mark is not None and mark.due <= now:
-                    marks.append(mark)
+            slots |= {slot for slot in self._slots(queue) if slot <= current}
+        marks = [mark for mark in self._marks_in(queue, sorted(slots)) if mark.due <= now]
         past = [self.layout.slot(queue, slot) for slot in sorted(slots) if slot < current]
         return Due(sorted(marks, key=lambda mark: (mark.due, mark.item_id)), past)
 
     def soonest(self, queue: str) -> dict[str, float]:
         """Every marked item's soonest mark: item id -> when it is due. Lists every slot."""
         soonest: dict[str, float] = {}
-        for name in files.names(self.layout.directory(queue, "schedule")):
-            if not name.isdigit():
-                continue
-            for entry in files.names(self.layout.slot(queue, int(name))):
-                mark = _parse(entry, self.layout.in_slot(queue, int(name), entry))
-                if mark is not None and mark.due < soonest.get(mark.item_id, float("inf")):
-                    soonest[mark.item_id] = mark.due
+        for mark in self._marks_in(queue, self._slots(queue)):
+            if mark.due < soonest.get(mark.item_id, float("inf")):
+                soonest[mark.item_id] = mark.due
         return soonest
+
+    def _slots(self, queue: str) -> list[int]:
+        """The slots that exist now."""
+        return [int(name) for name in files.names(self.layout.directory(queue, "schedule")) if name.isdigit()]
+
+    def _marks_in(self, queue: str, slots: Iterable[int]) -> Iterator[DueMark]:
+        for slot in slots:
+            for name in files.names(self.layout.slot(queue, slot)):
+                mark = _parse(name, self.layout.in_slot(queue, slot, name))
+                if mark is not None:
+                    yield mark
 
     @staticmethod
     def passed(due: Due) -> None:

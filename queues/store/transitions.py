@@ -525,7 +525,8 @@ class Store:
                     marks.append(self._items.schedule.mark(queue, item_id, ages_out, at_run_at=False))
             if marks:
                 self._items.flush(*self._items.schedule.directories(queue, marks))
-        promote_if_due(self._items, config, marks)
+            now = self.clock()
+            promote(self._items, config, [mark for mark in marks if mark.due <= now], now)
 
     def _found(self, queue: str, item_id: str) -> tuple[str, Item]:
         found = self._items.find(queue, item_id)
