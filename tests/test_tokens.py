@@ -65,20 +65,32 @@ def test_createtoken_refuses_a_bad_queue_name_and_saves_nothing(queues):
     assert not ApiToken.objects.exists()
 
 
-def test_createtoken_refuses_a_queue_that_does_not_exist_and_saves_nothing():
-    with pytest.raises(CommandError, match="no queue named nosuch; make it first: python manage.py createqueue nosuch"):
-        createtoken("t", "--queues", "nosuch")
+def test_createtoken_makes_a_token_for_a_queue_not_made_yet_and_says_so():
+    out, err = StringIO(), StringIO()
 
-    assert not ApiToken.objects.exists()
+    call_command("createtoken", "t", "--queues", "later", stdout=out, stderr=err)
+
+    raw = out.getvalue().strip()
+    assert TOKEN.fullmatch(raw)
+    registry = get_registry()
+    registry.refresh()
+    assert registry.authenticate(raw).queues == {"later"}
+    assert "no queue named 'later' yet; the token may use it once it is made" in err.getvalue()
 
 
-def test_createtoken_refuses_a_name_taken_already_and_keeps_the_old_token():
+def test_createtoken_under_a_name_taken_already_makes_a_second_token_and_keeps_the_first():
     first = createtoken("deploy").strip()
+    out, err = StringIO(), StringIO()
 
-    with pytest.raises(CommandError, match="a token named 'deploy' exists already; give --replace"):
-        createtoken("deploy")
+    call_command("createtoken", "deploy", stdout=out, stderr=err)
 
-    assert list(ApiToken.objects.values_list("token_hash", flat=True)) == [hash_token(first)]
+    second = out.getvalue().strip()
+    assert TOKEN.fullmatch(second) and second != first
+    assert sorted(ApiToken.objects.values_list("token_hash", flat=True)) == sorted([hash_token(first), hash_token(second)])
+    registry = get_registry()
+    registry.refresh()
+    assert registry.authenticate(first) and registry.authenticate(second)
+    assert "the token named 'deploy' made before stays valid too" in err.getvalue()
 
 
 def test_createtoken_replace_revokes_the_old_token_and_says_so():

@@ -9,7 +9,7 @@ from queues.services import validation_messages
 class Command(BaseCommand):
     help = (
         "Make an API token (to produce and work unless --produce, --work or --metrics is given); prints only "
-        "the token. A name already taken is refused unless --replace is given."
+        "the token. A name may be given to several tokens; --replace revokes the others of that name."
     )
 
     def add_arguments(self, parser):
@@ -35,21 +35,18 @@ class Command(BaseCommand):
             token.full_clean()
         except ValidationError as exc:
             raise CommandError(validation_messages(exc)) from exc
-        existing = Queue.objects.filter(name__in=token.queues).values_list("name", flat=True)
-        unknown = sorted(set(token.queues) - set(existing))
-        if unknown:
-            raise CommandError(
-                f"no queue named {', '.join(unknown)}; make it first: python manage.py createqueue {unknown[0]}"
-            )
         with transaction.atomic():
-            taken = ApiToken.objects.select_for_update().filter(name=name)
-            if taken.exists() and not replace:
-                raise CommandError(
-                    f"a token named {name!r} exists already; give --replace to revoke it and make a new one, "
-                    "or choose another name (python manage.py listtokens shows them)"
-                )
-            revoked, _ = taken.delete()
+            others = ApiToken.objects.select_for_update().filter(name=name)
+            revoked = others.delete()[0] if replace else 0
+            kept = others.exists() and not replace
             token.save()
+        existing = Queue.objects.filter(name__in=token.queues).values_list("name", flat=True)
+        for unknown in sorted(set(token.queues) - set(existing)):
+            self.stderr.write(f"no queue named {unknown!r} yet; the token may use it once it is made "
+                              f"(python manage.py createqueue {unknown})")
         if revoked:
             self.stderr.write(f"revoked the old token {name!r}; requests with it are refused within a second")
+        if kept:
+            self.stderr.write(f"the token named {name!r} made before stays valid too; --replace would revoke it, "
+                              f"python manage.py revoketoken {name} revokes all of that name")
         self.stdout.write(raw)
