@@ -511,10 +511,13 @@ def test_snapshot_counts_what_other_processes_and_sweepers_did(tmp_path):
 # ---- the live socket ---------------------------------------------------------------------------
 
 
+OWN_PAGE = [(b"host", b"localhost:8000"), (b"origin", b"http://localhost:8000")]
+
+
 def session_headers(user) -> list[tuple[bytes, bytes]]:
     client = Client()
     client.force_login(user)
-    return [(b"cookie", f"sessionid={client.cookies['sessionid'].value}".encode()), (b"origin", b"http://localhost")]
+    return [(b"cookie", f"sessionid={client.cookies['sessionid'].value}".encode()), *OWN_PAGE]
 
 
 @pytest.fixture
@@ -546,7 +549,7 @@ async def test_live_socket_sends_staff_a_snapshot_and_then_the_changes(staff_hea
 
 @pytest.mark.django_db(transaction=True)
 async def test_live_socket_refuses_anonymous_visitors():
-    communicator = WebsocketCommunicator(application, "/dashboard/live", headers=[(b"origin", b"http://localhost")])
+    communicator = WebsocketCommunicator(application, "/dashboard/live", headers=OWN_PAGE)
     connected, code = await communicator.connect()
     assert not connected and code == 4401
 
@@ -566,6 +569,44 @@ async def test_live_socket_refuses_pages_of_other_sites(staff_headers):
     communicator = WebsocketCommunicator(application, "/dashboard/live", headers=headers)
     connected, _ = await communicator.connect()
     assert not connected
+
+
+@pytest.mark.parametrize("origin", [b"http://localhost:3000", b"http://localhost", b"http://127.0.0.1:8000"])
+@pytest.mark.django_db(transaction=True)
+async def test_live_socket_refuses_pages_of_the_same_site_on_another_port_or_host(staff_headers, origin):
+    headers = [header for header in staff_headers if header[0] != b"origin"] + [(b"origin", origin)]
+    communicator = WebsocketCommunicator(application, "/dashboard/live", headers=headers)
+    connected, code = await communicator.connect()
+    assert not connected and code == 4403
+
+
+@pytest.mark.parametrize("host, origin", [
+    (b"localhost", b"http://localhost"),
+    (b"localhost:80", b"http://localhost"),
+    (b"LOCALHOST", b"https://localhost:443"),
+])
+@pytest.mark.django_db(transaction=True)
+async def test_live_socket_takes_its_own_origin_with_or_without_the_default_port(staff_headers, host, origin):
+    headers = [h for h in staff_headers if h[0] not in (b"host", b"origin")] + [(b"host", host), (b"origin", origin)]
+    communicator = WebsocketCommunicator(application, "/dashboard/live", headers=headers)
+    connected, _ = await communicator.connect()
+    try:
+        assert connected
+    finally:
+        await communicator.disconnect()
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_live_socket_takes_a_trusted_origin_behind_a_proxy(staff_headers, settings):
+    settings.CSRF_TRUSTED_ORIGINS = ["https://localhost:8443"]
+    headers = [h for h in staff_headers if h[0] not in (b"host", b"origin")]
+    headers += [(b"host", b"127.0.0.1:8000"), (b"origin", b"https://localhost:8443")]
+    communicator = WebsocketCommunicator(application, "/dashboard/live", headers=headers)
+    connected, _ = await communicator.connect()
+    try:
+        assert connected
+    finally:
+        await communicator.disconnect()
 
 
 # ---- one snapshot per tick, shared -------------------------------------------------------------

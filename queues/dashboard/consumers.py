@@ -3,6 +3,7 @@
 import asyncio
 
 from channels.generic.websocket import AsyncWebsocketConsumer
+from django.conf import settings
 
 from .feed import get_feed
 
@@ -11,11 +12,36 @@ CLOSE_NOT_LOGGED_IN = 4401
 CLOSE_NOT_STAFF = 4403
 
 
+DEFAULT_PORTS = {"http": "80", "https": "443"}
+
+
+def from_own_page(scope) -> bool:
+    """Whether the socket was opened by one of our own pages: the browser's Origin names the host
+    and port it connected to (as Django's CSRF check counts them), or one of CSRF_TRUSTED_ORIGINS.
+    ALLOWED_HOSTS alone ignores the port, and another site on the same host shares our cookies."""
+    headers = dict(scope["headers"])
+    origin = headers.get(b"origin", b"").decode("latin-1").lower()
+    host = headers.get(b"host", b"").decode("latin-1").lower()
+    if origin in {trusted.lower() for trusted in settings.CSRF_TRUSTED_ORIGINS}:
+        return True
+    scheme, _, netloc = origin.partition("://")
+    return bool(host) and _with_port(netloc, scheme) == _with_port(host, scheme)
+
+
+def _with_port(netloc: str, scheme: str) -> str:
+    if netloc.endswith("]") or ":" not in netloc:  # "[::1]" or "example.com": no port given
+        return f"{netloc}:{DEFAULT_PORTS.get(scheme, '')}"
+    return netloc
+
+
 class DashboardConsumer(AsyncWebsocketConsumer):
     box: asyncio.Queue | None = None
     pump: asyncio.Task | None = None
 
     async def connect(self):
+        if not from_own_page(self.scope):
+            await self.close(code=CLOSE_NOT_STAFF)
+            return
         user = self.scope.get("user")
         if user is None or not user.is_authenticated:
             await self.close(code=CLOSE_NOT_LOGGED_IN)
