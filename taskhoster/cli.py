@@ -156,9 +156,12 @@ def work(args) -> int:
     if shutil.which(command[0]) is None:
         raise UsageError(f"command not found: {command[0]}")
     queues = [name for name in args.queue.split(",") if name]
-    worker = Worker(args.url, args.token, queues=queues, concurrency=args.concurrency, grace=args.grace,
-                    on_error="retry" if args.retry else "result", retry_base=args.retry_base,
-                    retry_cap=args.retry_cap)
+    try:
+        worker = Worker(args.url, args.token, queues=queues, concurrency=args.concurrency, grace=args.grace,
+                        on_error="retry" if args.retry else "result", retry_base=args.retry_base,
+                        retry_cap=args.retry_cap)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="taskhoster: %(message)s")
     worker.run(ProgramHandler(command))
     return 0

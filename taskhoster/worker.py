@@ -29,7 +29,6 @@ import sys
 import threading
 
 from .config import server_settings
-from .errors import TaskhosterError
 from .jobs import Handler, check_handler
 from .run import Run
 
@@ -45,17 +44,19 @@ class Worker:
     def __init__(self, url: str | None = None, token: str | None = None, *, queues: list[str],
                  concurrency: int = 1, on_error: str = "result", retry_base: float = 1.0,
                  retry_cap: float = 600.0, grace: float = 30.0):
-        if isinstance(queues, str) or not queues or not all(isinstance(q, str) and q for q in queues):
-            raise TaskhosterError("queues must be a non-empty list of queue names")
+        if isinstance(queues, str) or not all(isinstance(q, str) for q in queues):
+            raise TypeError("queues must be a list of queue names")
+        if not queues or not all(queues):
+            raise ValueError("queues must name at least one queue, and no name may be empty")
         if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
-            raise TaskhosterError("concurrency must be a whole number of at least 1")
+            raise ValueError("concurrency must be a whole number of at least 1")
         if on_error not in ON_ERROR:
-            raise TaskhosterError(f"on_error must be one of {', '.join(ON_ERROR)}, not {on_error!r}")
+            raise ValueError(f"on_error must be one of {', '.join(ON_ERROR)}, not {on_error!r}")
         if not 0 < retry_base <= retry_cap <= MAX_RETRY_DELAY_SECONDS:
-            raise TaskhosterError(f"retry_base and retry_cap must be seconds with 0 < retry_base <= retry_cap <= "
+            raise ValueError(f"retry_base and retry_cap must be seconds with 0 < retry_base <= retry_cap <= "
                                   f"{MAX_RETRY_DELAY_SECONDS}")
         if grace < 0:
-            raise TaskhosterError("grace must be 0 or more seconds")
+            raise ValueError("grace must be 0 or more seconds")
         self.url, self._token = server_settings(url, token)
         self.queues = list(dict.fromkeys(queues))
         self.concurrency = concurrency

@@ -236,6 +236,7 @@ def test_no_token_at_all_is_one_line_that_says_how_to_make_one(live):
      (("get", "cli", MISSING_ID, "--wait", "-1"), "argument --wait: expected seconds, 0 or more"),
      (("get", "cli", MISSING_ID, "--wait", "nan"), "argument --wait: expected seconds, 0 or more"),
      (("work", "work", "--concurrency", "0", "--", "cat"), "argument --concurrency: expected a whole number"),
+     (("work", "work", "--retry", "--retry-base", "5", "--retry-cap", "1", "--", "cat"), "retry_base <= retry_cap"),
      (("frobnicate",), "invalid choice")],
 )
 def test_a_mistake_in_the_command_line_is_one_line_and_exit_status_2(live, args, message):
