@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 
 from queues import ids
-from queues.exceptions import InvalidRequest, ItemNotFound, NotEnded, NotHeld
+from queues.exceptions import InvalidRequest, ItemNotFound, NotEnded, NotHeld, TaskhosterError
 from queues.store import ABSENT, NewItem, QueueConfig, Release, Store, files
 from queues.store.items import NoEvents
 from queues.store.layout import SLOT_SECONDS
@@ -205,6 +205,25 @@ def test_a_late_result_is_accepted_while_the_item_is_scheduled(store, clock, con
     clock.advance(61)
     assert store.promote_due(config=config) == []  # its mark only remained
     assert (store.read_item(queue=Q, item_id=item_id).result, states_of(store, item_id)) == ("late", ["done"])
+
+
+def test_a_release_for_later_whose_move_failed_never_brings_a_later_release_forward(store, clock, config, faults):
+    """The failed release's mark stays; the item, released again for much later, waits for that."""
+    config = replace(config, queue_seconds=86400)
+    (item_id,) = schedule(store, config, None)
+    claim = claim_one(store, config)
+    faults.fail(calls={"create"}, where=f"/{Q}/tmp/")  # the rewrite of the item, after its mark
+    with pytest.raises(TaskhosterError):
+        release(store, config, item_id, claim.claim_token, delay=60)
+    faults.clear()
+    assert states_of(store, item_id) == ["processing"]
+
+    release(store, config, item_id, claim.claim_token, delay=3600)
+    clock.advance(61)
+    assert store.promote_due(config=config) == []
+    assert states_of(store, item_id) == ["scheduled"]
+    clock.advance(3600)
+    assert store.promote_due(config=config) == [item_id]
 
 
 # ---- a mark due by the time its item shows -----------------------------------------------------

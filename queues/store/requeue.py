@@ -43,9 +43,11 @@ def give_back(
     target = "scheduled" if delay > 0 else "pending"
     back = replace(item, status=target, lease_expires_at=None, claim_token=None, run_at=now + delay if delay > 0 else item.run_at)
     if target == "scheduled":
-        # due at its run_at, or when it ages out if that comes first (it fails then)
+        # due at its run_at, or when it ages out if that comes first (it fails then). Its item is
+        # read when it comes due: should this move fail, the item may be scheduled again for later
+        # while this mark stays, and a mark moving its item unread would promote it too soon.
         due = min(back.run_at, back.posted_at + config.queue_seconds)
-        mark = items.schedule.mark(queue, back.id, due, at_run_at=due == back.run_at)
+        mark = items.schedule.mark(queue, back.id, due, at_run_at=False)
         items.flush(*items.schedule.directories(queue, [mark]))
     moved = items.move_rewritten(queue, back, "processing", target)
     items.observer.item_requeued(queue, moved, reason)

@@ -9,9 +9,10 @@ A mark is made, and flushed, before its item shows in scheduled/, so no schedule
 without one; a mark whose item is not in scheduled/ (it ended, or another process moved it) is
 simply removed when it comes due. A mark that is due by the time its item shows is left to its
 maker, which promotes the item then (promote.py): a look may have passed its slot, or removed it
-as stale, before the item showed. Most marks are for the item's runAt, and the item can be moved
-without reading it; a mark for another moment (when the item ages out, or ends) is named
-`<due>.<id>.read`: its item is read to see what is due."""
+as stale, before the item showed. A post's mark is for the item's runAt, and the item can be moved
+without reading it; any other mark (a worker's release for later, whose item may be scheduled again
+if the release fails; when the item ages out, or ends) is named `<due>.<id>.read`: its item is read
+to see what is due."""
 
 import threading
 import time
