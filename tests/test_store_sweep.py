@@ -1,13 +1,15 @@
 """One sweep pass over a queue (the store's part of the Sweeper): G6's timeout, lapsed leases,
 G7's retention, and what crashes leave behind, with the injected clock."""
 
+import errno
 import os
 import time
 from dataclasses import replace
 
 import pytest
 
-from queues.exceptions import ItemNotFound
+from queues.exceptions import ItemNotFound, StorageUnavailable
+from queues.store import Store, files
 from queues.store.sweep import STALE_SECONDS
 from store_support import Q, claim_one, copy_file, files_in, post, queue_dir, states_of
 from storekit import finish, release
@@ -124,6 +126,68 @@ def test_a_fetch_before_the_item_is_terminal_does_not_count(store, clock, config
     finish(store, fetched, item_id, 1)
     clock.advance(config.retain_seconds * 10)
     assert store.sweep_queue(config=fetched).deleted == []
+
+
+def test_a_fetch_of_a_result_whose_flush_then_failed_never_starts_the_items_retention(tmp_path, clock, config,
+                                                                                      monkeypatch):
+    """A reader may see a done file before done/ is flushed; when that flush fails the item goes
+    back to processing, and the fetch's mark must not make retention delete the live item."""
+    store = Store(tmp_path / "flushed", fsync=True, clock=clock)
+    fetched = replace(config, retain_from="fetched", retain_seconds=0)
+    (item_id,) = post(store)
+    claim_one(store, fetched)
+    seen = []
+
+    def fetch_then_fail(call, path):
+        if call == "fsync" and path.endswith(f"/{Q}/done") and not seen:
+            seen.append(store.read_item(queue=Q, item_id=item_id, fetch=True).status)
+            raise OSError(errno.EIO, "injected", path)
+
+    monkeypatch.setattr(files, "fault", fetch_then_fail)
+    [outcome] = store.finish_items(results=[(fetched, item_id, "r")])
+    monkeypatch.setattr(files, "fault", None)
+
+    assert seen == ["finished"] and isinstance(outcome, StorageUnavailable)
+    assert files_in(store, "fetched") == []
+    clock.advance(1)
+    assert store.sweep_queue(config=fetched).deleted == []
+    assert states_of(store, item_id) == ["processing"]
+
+
+def test_retention_from_fetched_never_deletes_an_item_whose_fetched_mark_outlived_its_end(store, clock, config):
+    """A fetched mark of an end that was undone (the reader wrote it after the end was taken
+    back): the item is not done, so its mark starts nothing."""
+    fetched = replace(config, retain_from="fetched", retain_seconds=0)
+    (item_id,) = post(store)
+    claim_one(store, fetched)
+    mark = queue_dir(store) / "fetched" / item_id
+    mark.touch()
+    os.utime(mark, (clock.now, clock.now))
+    clock.advance(1)
+    assert store.sweep_queue(config=fetched).deleted == []
+    assert states_of(store, item_id) == ["processing"]
+    assert finish(store, fetched, item_id, "r").accepted
+
+
+def test_a_stray_file_among_the_fetched_marks_never_stops_the_sweep(store, clock, config):
+    fetched = replace(config, retain_from="fetched", retain_seconds=0)
+    aged = post(store)
+    (queue_dir(store) / "fetched" / ".DS_Store").touch()
+    clock.advance(config.queue_seconds + 1)
+    assert store.sweep_queue(config=fetched).failed == aged
+    assert files_in(store, "fetched") == [".DS_Store"]
+
+
+def test_a_mark_left_by_an_end_a_crash_cut_short_goes_when_the_item_ends_otherwise(store, config):
+    """A cancel killed between its failed/ mark and its done link leaves the item pending with a
+    mark; when a worker's result then wins, the item counts and lists as finished."""
+    (item_id,) = post(store)
+    (queue_dir(store) / "failed" / item_id).touch()
+    claim_one(store, config)
+    assert finish(store, config, item_id, "r").accepted
+    counts = store.count_items(queue=Q)
+    assert (counts.finished, counts.failed) == (1, 0)
+    assert files_in(store, "failed") == []
 
 
 def test_failed_items_are_retained_like_finished_ones(store, clock, config):

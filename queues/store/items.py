@@ -404,8 +404,11 @@ class ItemFiles:
         removed is settled by the next look for due items (the sweep lists no scheduled/)."""
         if state == "scheduled":
             self.schedule.mark(queue, done.id, self.clock(), at_run_at=False)
-        mark = _mark_of(done)
-        mark = self.layout.mark(queue, mark, done.id) if mark else None
+        kind = _mark_of(done)
+        for other in ("failed", "errors"):
+            if other != kind:  # left by an earlier end that a crash cut short before its link
+                files.remove(self.layout.mark(queue, other, done.id))
+        mark = self.layout.mark(queue, kind, done.id) if kind else None
         marked = False
         if mark is not None:
             try:
@@ -431,9 +434,10 @@ class ItemFiles:
                 self._remove_done(queue, done)
 
     def _remove_done(self, queue: str, done: Item) -> None:
-        """Take a done file whose flush failed back out, with its mark (call under its lock)."""
+        """Take a done file whose flush failed back out, with its marks (call under its lock): a
+        reader may have fetched it meanwhile, and a fetched mark would start its retention."""
         files.remove_quietly(self.layout.item(queue, "done", done.id))
-        if mark := _mark_of(done):
+        for mark in filter(None, (_mark_of(done), "fetched")):
             files.remove_quietly(self.layout.mark(queue, mark, done.id))
 
     def ended(self, queue: str, moved: list[tuple[str, Item]]) -> None:

@@ -123,20 +123,22 @@ def _delete_expired(items: ItemFiles, config: QueueConfig, done: list[str]) -> l
     queue, layout = config.name, items.layout
     cutoff = items.clock() - config.retain_seconds
     if config.retain_from == "fetched":
-        fetched = files.names(layout.directory(queue, "fetched"))
-        due = [item_id for item_id in fetched if _ended_by(layout.mark(queue, "fetched", item_id), cutoff, item_id)]
+        fetched = filter(ids.is_valid_id, files.names(layout.directory(queue, "fetched")))  # a stray file stays put
+        due = [item_id for item_id in fetched if _ended_by(layout.mark(queue, "fetched", item_id), cutoff)]
     else:
         # retention starts when an item ends, never before it was posted, so an item posted after
         # the cutoff is not due and needs no stat: the names say so at C speed (with a margin for
         # ids made ahead of this clock: a clock stepped back, or another process's clock)
         bound = ids.time_prefix(int((cutoff + ID_CLOCK_MARGIN_SECONDS) * 1000) + 1)
         candidates = (item_id_of(name) for name in filter(bound.__gt__, done))
-        due = [i for i in candidates if i is not None and _ended_by(layout.item(queue, "done", i), cutoff, i)]
+        due = [i for i in candidates if i is not None and _ended_by(layout.item(queue, "done", i), cutoff)]
     keyed = items.keys.any(queue)
     deleted = []
     for item_id in due:
         key = _key_of(items, layout.item(queue, "done", item_id), item_id) if keyed else None
         with items.keys.hold(queue, [key] if key else []), items.lock(queue, item_id):
+            if not files.exists(layout.item(queue, "done", item_id)):
+                continue  # deleted by another sweeper, or a fetched mark of an end that was undone
             # a copy a crash left in another state goes first, so the item never comes back
             for state in ("pending", "processing", "scheduled"):
                 files.remove(layout.item(queue, state, item_id))
@@ -160,9 +162,7 @@ def _key_of(items: ItemFiles, path: str, item_id: str) -> str | None:
     return found[1] if found is not None and found[0] == item_id else None
 
 
-def _ended_by(path: str, cutoff: float, item_id: str) -> bool:
-    if not ids.is_valid_id(item_id):
-        return False
+def _ended_by(path: str, cutoff: float) -> bool:
     info = files.status(path)
     return info is not None and info.st_mtime <= cutoff
 
