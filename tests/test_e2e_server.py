@@ -21,6 +21,7 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import connect
 
 from queues.serving import DEFAULT_SERVER, SERVERS
+from queues.serving.limits import FRAME_SLACK_BYTES
 from serverproc import Deployment, ServerProcess, postgres_database, redis_database
 
 REDIS_DB = 5  # this module's own Redis database
@@ -251,19 +252,19 @@ def test_worker_handshakes_are_accepted_or_refused_by_the_socket_rules(site):
 def test_a_frame_over_the_limit_is_refused_and_one_far_over_it_closes_the_socket(site):
     bearer = {"Authorization": f"Bearer {site.token}"}
     with connect(site.server.ws_url, additional_headers=bearer, max_size=None) as socket:
-        socket.send(json.dumps({"op": "claim", "queue": "idle", "pad": "x" * MAX_BODY_BYTES}))
-        assert json.loads(socket.recv())["code"] == "payload_too_large"
-        socket.send(json.dumps({"op": "claim", "queue": "idle", "ref": 2}))  # still open
-        assert json.loads(socket.recv()) == {"op": "items", "ref": 2, "items": []}
+        for over in (1, 3 * MAX_BODY_BYTES):  # however small the limit, a frame over it is answered
+            socket.send(json.dumps({"op": "claim", "queue": "idle", "pad": "x" * (MAX_BODY_BYTES + over)}))
+            assert json.loads(socket.recv())["code"] == "payload_too_large"
+            socket.send(json.dumps({"op": "claim", "queue": "idle", "ref": 2}))  # still open
+            assert json.loads(socket.recv()) == {"op": "items", "ref": 2, "items": []}
 
-        socket.send("x" * (3 * MAX_BODY_BYTES))
-        with pytest.raises(ConnectionClosed) as closed:
+        # not buffered: the server closes the socket (uvicorn says 1009, message too big; daphne
+        # drops the connection), which may cut the sending short
+        with pytest.raises((ConnectionClosed, ConnectionResetError, BrokenPipeError)) as closed:
+            socket.send("x" * (MAX_BODY_BYTES + FRAME_SLACK_BYTES + 1))
             socket.recv()
-    # closed rather than buffered: uvicorn says 1009 (message too big), daphne drops the connection
-    if site.server_name == "uvicorn":
-        assert closed.value.rcvd is not None and closed.value.rcvd.code == 1009
-    else:
-        assert closed.value.rcvd is None or closed.value.rcvd.code == 1009
+    if isinstance(closed.value, ConnectionClosed) and closed.value.rcvd is not None:
+        assert closed.value.rcvd.code == 1009
 
 
 @ON_EVERY_SERVER

@@ -75,10 +75,15 @@ def stop_grace_seconds() -> float:
     return settings.TASKHOSTER_STOP_GRACE_SECONDS
 
 
+FRAME_SLACK_BYTES = 4 << 20
+
+
 def max_frame_bytes() -> int:
-    # a frame somewhat over the limit still gets a payload_too_large answer; far over, the socket
-    # is closed (1009) rather than buffered
-    return 2 * settings.TASKHOSTER_MAX_BODY_BYTES
+    # a frame over the limit still gets a payload_too_large answer on an open socket, however
+    # small the limit was set; only one far over it (twice the limit, and FRAME_SLACK_BYTES over
+    # it at least) is not buffered: the socket is closed (1009)
+    limit = settings.TASKHOSTER_MAX_BODY_BYTES
+    return limit + max(limit, FRAME_SLACK_BYTES)
 
 
 def finish_leftover_tasks(loop: asyncio.AbstractEventLoop) -> None:
