@@ -162,8 +162,8 @@ class WorkConsumer(AsyncWebsocketConsumer):
         # (shielded: were this wait cancelled, the claim still ends and records them for the next)
         await asyncio.gather(*map(asyncio.shield, self.claiming), return_exceptions=True)
         held, self.held = self.held, {}
-        for queue, item_id in held:
-            hub.let_go(queue, item_id)
+        for (queue, item_id), token in held.items():
+            hub.let_go(queue, item_id, token)
         registry = get_registry()
         releases = [
             Release(registry.queue(queue) or QueueConfig(name=queue), item_id, token, reason=reason)
@@ -269,7 +269,8 @@ class WorkConsumer(AsyncWebsocketConsumer):
         loop = asyncio.get_running_loop()
         for item in claiming.result():
             self.held[(queue, item.id)] = item.claim_token
-            hub.hold(queue, item.id, lambda queue, item_id: loop.call_soon_threadsafe(self.was_canceled, queue, item_id))
+            hub.hold(queue, item.id, item.claim_token,
+                     lambda queue, item_id: loop.call_soon_threadsafe(self.was_canceled, queue, item_id))
 
     def was_canceled(self, queue: str, item_id: str) -> None:
         """One of the items this connection holds was canceled: it holds it no more, and its
@@ -280,8 +281,8 @@ class WorkConsumer(AsyncWebsocketConsumer):
             asyncio.ensure_future(self.send(text_data=notice))
 
     def let_go_of(self, queue: str, item_id: str) -> None:
-        if self.held.pop((queue, item_id), None) is not None:
-            hub.let_go(queue, item_id)
+        if (token := self.held.pop((queue, item_id), None)) is not None:
+            hub.let_go(queue, item_id, token)
 
     async def handle_result(self, frame: dict, ref) -> None:
         name, item_id, result = string_field(frame, "queue"), string_field(frame, "id"), value_field(frame, "result")

@@ -49,7 +49,7 @@ class Hub:
         self._item_waiters: dict[tuple[str, str], deque[asyncio.Future]] = defaultdict(deque)
         self._available_events: dict[str, int] = defaultdict(int)  # queue -> events so far
         self._terminal_events: dict[str, int] = defaultdict(int)
-        self._holders: dict[tuple[str, str], Callable[[str, str], None]] = {}  # held item -> told
+        self._holders: dict[tuple[str, str], tuple[str, Callable[[str, str], None]]] = {}  # held item -> (claim, told)
         self.bridge: Bridge | None = None
 
     def items_available(self, queue: str, count: int = 1, *, local_only: bool = False) -> int:
@@ -86,18 +86,22 @@ class Hub:
         with self._lock:
             holder = self._holders.pop((queue, item_id), None)
         if holder is not None:
-            holder(queue, item_id)
+            holder[1](queue, item_id)
         elif self.bridge is not None and not local_only:
             self.bridge.publish("canceled", queue, [item_id])
 
-    def hold(self, queue: str, item_id: str, told: Callable[[str, str], None]) -> None:
-        """`told(queue, item_id)` is called (from any thread) if the item is canceled while held."""
+    def hold(self, queue: str, item_id: str, claim_token: str, told: Callable[[str, str], None]) -> None:
+        """`told(queue, item_id)` is called (from any thread) if the item is canceled while held
+        under this claim."""
         with self._lock:
-            self._holders[(queue, item_id)] = told
+            self._holders[(queue, item_id)] = (claim_token, told)
 
-    def let_go(self, queue: str, item_id: str) -> None:
+    def let_go(self, queue: str, item_id: str, claim_token: str) -> None:
+        """Only this claim's hold goes: a socket that lost the item (re-queued by staff or the
+        sweep) lets go after another claimed it, whose socket must still be told of a cancel."""
         with self._lock:
-            self._holders.pop((queue, item_id), None)
+            if self._holders.get((queue, item_id), (None,))[0] == claim_token:
+                del self._holders[(queue, item_id)]
 
     def available_mark(self, queue: str) -> int:
         """Take before looking for items; give to `wait_available`."""

@@ -19,7 +19,7 @@ from queues.events import Hub, hub
 from queues.models import ApiToken
 from queues.runtime import get_registry, get_store, run
 from queues.services import save_queue
-from queues.store import NewItem, QueueConfig, files, turn
+from queues.store import NewItem, QueueConfig, Release, files, turn
 from taskhoster_site.asgi import application
 from storekit import finish, post_batch, release
 
@@ -730,10 +730,25 @@ async def test_a_canceled_item_is_told_to_the_socket_holding_it_which_holds_it_n
     assert (item.status, item.error) == ("failed", "canceled")  # closing the socket changed nothing
 
 
+async def test_a_cancel_is_told_to_the_socket_that_claimed_the_item_again_after_another_lost_it(token):
+    """Staff re-queue the item a first socket holds, a second claims it, the first closes: a
+    cancel still reaches the second, which holds it now."""
+    [item_id] = post("jobs", 1)
+    async with connected(token) as second:
+        async with connected(token) as first:
+            await ask(first, {"op": "claim", "queue": "jobs"})
+            get_store().release_items(releases=[Release(config("jobs"), item_id, reason="staff")])
+            claimed = await ask(second, {"op": "claim", "queue": "jobs"})
+            assert [item["id"] for item in claimed["items"]] == [item_id]
+        get_store().cancel_item(config=config("jobs"), item_id=item_id)
+        told = await second.receive_json_from(timeout=TIMEOUT)
+        assert told == {"op": "canceled", "queue": "jobs", "id": item_id}
+
+
 async def test_the_bridge_tells_the_process_whose_socket_holds_a_canceled_item():
     async with bridged_hubs() as (here, there):
         told = asyncio.get_running_loop().create_future()
-        there.hold("jobs", MISSING_ID, lambda queue, item_id: told.set_result((queue, item_id)))
+        there.hold("jobs", MISSING_ID, "a-claim", lambda queue, item_id: told.set_result((queue, item_id)))
         here.item_canceled("jobs", MISSING_ID)  # no socket here holds it
         assert await asyncio.wait_for(told, TIMEOUT) == ("jobs", MISSING_ID)
 
