@@ -3,6 +3,7 @@ import json
 from django import forms
 from django.contrib import admin, messages
 from django.db import transaction
+from django.http import HttpResponseRedirect
 from django.urls import reverse
 from django.utils.html import format_html
 
@@ -59,9 +60,19 @@ class QueueAdmin(admin.ModelAdmin):
 
     @admin.display(description="items now")
     def items_now(self, obj):
-        counts = get_store().count_items(queue=obj.name)
+        try:
+            counts = get_store().count_items(queue=obj.name)
+        except StorageUnavailable as exc:
+            return f"not counted: {exc.message}"
         summary = ", ".join(f"{getattr(counts, state)} {state}" for state in STATES)
         return format_html('{} (<a href="{}">see the items</a>)', summary, reverse("dashboard:queue", args=[obj.name]))
+
+    def changeform_view(self, request, *args, **kwargs):
+        try:
+            return super().changeform_view(request, *args, **kwargs)
+        except StorageUnavailable as exc:  # from save_model: the form's transaction saved nothing
+            self.message_user(request, f"The queue was not saved: {exc.message}", messages.ERROR)
+            return HttpResponseRedirect(request.get_full_path())
 
     def save_model(self, request, obj, form, change):
         super().save_model(request, obj, form, change)
@@ -92,7 +103,10 @@ class QueueAdmin(admin.ModelAdmin):
         done = []
         try:
             for queue in queryset:
-                save_queue(queue.name, paused=paused)
+                try:
+                    save_queue(queue.name, existing=True, paused=paused)
+                except Queue.DoesNotExist:  # deleted since the list was shown: not made again
+                    continue
                 done.append(queue.name)
         except StorageUnavailable as exc:
             self.message_user(request, f"Not all were {'paused' if paused else 'resumed'}: {exc.message}", messages.ERROR)
@@ -108,21 +122,29 @@ class _CountsPerPage:
     def __init__(self):
         self._counts: dict[str, Counts] = {}
 
-    def _of(self, queue: Queue) -> Counts:
+    def _of(self, queue: Queue) -> Counts | None:
+        """None: the disk refused the listing; the page shows all the same."""
         if queue.name not in self._counts:
-            self._counts[queue.name] = get_store().count_items(queue=queue.name)
+            try:
+                self._counts[queue.name] = get_store().count_items(queue=queue.name)
+            except StorageUnavailable:
+                self._counts[queue.name] = None
         return self._counts[queue.name]
 
     def column(self, state: str):
-        def count(queue: Queue) -> int:
-            return getattr(self._of(queue), state)
+        def count(queue: Queue) -> int | str:
+            counts = self._of(queue)
+            return "?" if counts is None else getattr(counts, state)
 
         count.__name__ = count.short_description = state  # the column's CSS class and heading
         return count
 
     def oldest_column(self):
         def oldest(queue: Queue) -> str:
-            posted_at = self._of(queue).oldest_pending_posted_at
+            counts = self._of(queue)
+            if counts is None:
+                return "?"
+            posted_at = counts.oldest_pending_posted_at
             return format_duration(None if posted_at is None else get_store().clock() - posted_at)
 
         oldest.__name__, oldest.short_description = "oldest_pending", "oldest pending"
@@ -165,6 +187,13 @@ class ApiTokenAdmin(admin.ModelAdmin):
     @admin.display(description="queues")
     def queue_list(self, obj):
         return ", ".join(obj.queues) or "all"
+
+    def changeform_view(self, request, *args, **kwargs):
+        try:
+            return super().changeform_view(request, *args, **kwargs)
+        except StorageUnavailable as exc:  # from save_model: the form's transaction saved nothing
+            self.message_user(request, f"The queue was not saved: {exc.message}", messages.ERROR)
+            return HttpResponseRedirect(request.get_full_path())
 
     def save_model(self, request, obj, form, change):
         if not change:

@@ -6,24 +6,34 @@ from django.core.exceptions import ValidationError
 from django.db import transaction
 
 from .exceptions import StorageUnavailable
-from .models import Queue
+from .models import Queue, queue_name_validator
 from .runtime import get_store
 from .store import Counts, QueueConfig
+from .store.layout import is_valid_queue_name
 
 log = logging.getLogger(__name__)
 
 SETTING_FIELDS = ("lease_seconds", "queue_seconds", "retain_seconds", "retain_from", "paused", "max_attempts")
 
 
-def save_queue(name: str, **changes) -> Queue:
-    """Create the queue, or change only the given settings of an existing one.
-    Raises ValidationError with a message per bad field, or StorageUnavailable when the queue's
-    directory cannot be made; nothing is saved then."""
+def save_queue(name: str, *, existing: bool | None = None, **changes) -> Queue:
+    """Create the queue, or change only the given settings of an existing one; `existing` True
+    only changes one (Queue.DoesNotExist if there is none: deleted meanwhile), False only creates.
+    Raises ValidationError with a message per bad field (the name too: one a name check would
+    refuse never reaches the database), or StorageUnavailable when the queue's directory cannot
+    be made; nothing is saved then."""
     unknown = set(changes) - set(SETTING_FIELDS)
     if unknown:
         raise ValueError(f"unknown queue settings: {sorted(unknown)}")
+    if not is_valid_queue_name(name):
+        raise ValidationError({"name": queue_name_validator.message})
     with transaction.atomic():
-        queue = Queue.objects.select_for_update().filter(name=name).first() or Queue(name=name)
+        queue = Queue.objects.select_for_update().filter(name=name).first()
+        if queue is None and existing:
+            raise Queue.DoesNotExist(f"no queue named {name}")
+        if queue is not None and existing is False:
+            raise ValidationError({"name": f"There is a queue named {name} already."})
+        queue = queue or Queue(name=name)
         before = queue.queue_seconds if queue.pk else None
         for field, value in changes.items():
             setattr(queue, field, value)

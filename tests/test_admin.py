@@ -154,6 +154,51 @@ def test_a_pause_the_disk_refuses_says_what_was_paused_and_why_not_the_rest(admi
     assert b"Paused: emails." in response.content and b"Not all were paused: the data directory" in response.content
 
 
+def test_a_queue_the_disk_refuses_to_make_is_a_message_not_a_500_and_saves_nothing(admin_client, monkeypatch):
+    from queues.exceptions import StorageUnavailable
+
+    def refuse(name):
+        raise StorageUnavailable("the data directory cannot be written: No space left on device")
+
+    monkeypatch.setattr(get_store(), "ensure_queue", refuse)
+    response = admin_client.post("/admin/queues/queue/add/", VALID_QUEUE, follow=True)
+    assert response.status_code == 200
+    assert b"The queue was not saved: the data directory cannot be written" in response.content
+    assert not Queue.objects.exists()
+
+
+def test_counts_the_disk_refuses_show_as_unknown_on_the_list_and_change_pages(admin_client, monkeypatch):
+    from queues.exceptions import StorageUnavailable
+
+    queue = save_queue("thumbs")
+
+    def refuse(queue):
+        raise StorageUnavailable("the data directory cannot be read: Permission denied")
+
+    monkeypatch.setattr(get_store(), "count_items", refuse)
+    listing = admin_client.get("/admin/queues/queue/")
+    assert listing.status_code == 200 and cell(listing.content.decode(), "pending") == ["?"]
+    change = admin_client.get(f"/admin/queues/queue/{queue.pk}/change/")
+    assert change.status_code == 200 and b"not counted: the data directory cannot be read" in change.content
+
+
+@pytest.mark.django_db(transaction=True)
+def test_pausing_a_queue_deleted_since_the_list_was_shown_never_makes_it_again(admin_client, monkeypatch):
+    from queues import admin as admin_module
+
+    save_queue("thumbs")
+    ids = [str(pk) for pk in Queue.objects.values_list("pk", flat=True)]
+    real_save = admin_module.save_queue
+
+    def deleted_first(name, **changes):
+        Queue.objects.filter(name=name).delete()
+        return real_save(name, **changes)
+
+    monkeypatch.setattr(admin_module, "save_queue", deleted_first)
+    admin_client.post("/admin/queues/queue/", {"action": "pause_queues", "_selected_action": ids})
+    assert not Queue.objects.exists()
+
+
 def test_deleting_a_queue_deletes_its_items(admin_client, settings):
     queue = save_queue("thumbs")
     post_batch(get_store(), "thumbs", [1])

@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 from channels.testing import WebsocketCommunicator
+from django.db import connection
 from django.test import Client
+from django.test.utils import CaptureQueriesContext
 from django.utils.html import escape
 
 from queues.dashboard import views
@@ -769,6 +771,32 @@ def test_staff_make_a_queue_from_the_dashboard(django_user_model, db):
     assert "There is a queue named mail already" in again.content.decode()
     assert "The queue was not made: Name:" in bad.content.decode()
     assert Queue.objects.count() == 1
+
+
+def test_a_queue_name_with_a_nul_byte_is_no_such_queue_and_never_reaches_the_database(django_user_model, db):
+    """PostgreSQL refuses NUL in text: such a name must be answered before any query takes it."""
+    client = Client()
+    client.force_login(django_user_model.objects.create_superuser("boss", password="pw"))
+    with CaptureQueriesContext(connection) as queries:
+        page = client.get("/queues/a%00b/")
+        pause = client.post("/queues/a%00b/pause")
+        made = client.post("/new-queue", {"name": "a\x00b"}, follow=True)
+    assert (page.status_code, pause.status_code) == (404, 404)
+    assert "The queue was not made: Name:" in made.content.decode()
+    assert not [query for query in queries.captured_queries if '"queues_queue"."name" =' in query["sql"]]
+    assert not Queue.objects.exists()
+
+
+def test_pausing_a_queue_deleted_meanwhile_never_makes_it_again(staff_client, queue, monkeypatch):
+    real_save = views.save_queue
+
+    def deleted_first(name, **changes):
+        Queue.objects.filter(name=name).delete()
+        return real_save(name, **changes)
+
+    monkeypatch.setattr(views, "save_queue", deleted_first)
+    assert staff_client.post("/queues/thumbs/pause").status_code == 404
+    assert not Queue.objects.exists()
 
 
 def test_staff_without_the_permission_cannot_make_a_queue(staff_client, db):

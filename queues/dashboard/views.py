@@ -20,6 +20,7 @@ from ..models import Queue
 from ..runtime import get_registry, get_store
 from ..services import save_queue, validation_messages
 from ..store import ABSENT, Item, Release, single
+from ..store.layout import is_valid_queue_name
 from .consumers import LIVE_PATH
 from ..roster import roster
 from .display import (
@@ -67,7 +68,8 @@ def _not_found(request, title: str, message: str, queue: Queue | None = None) ->
 
 
 def _find_queue(name: str) -> Queue | None:
-    return Queue.objects.filter(name=name).first()
+    # a name the rule refuses (a NUL byte, say, which PostgreSQL would refuse) is asked of no one
+    return Queue.objects.filter(name=name).first() if is_valid_queue_name(name) else None
 
 
 @require_safe
@@ -254,7 +256,7 @@ def create_queue(request):
         messages.error(request, "You may not make queues: that takes the permission to add queues, in the admin.")
         return HttpResponseRedirect(reverse("dashboard:index"))
     name = request.POST.get("name", "").strip()
-    if Queue.objects.filter(name=name).exists():
+    if _find_queue(name) is not None:
         messages.error(request, f"There is a queue named {name} already; change its settings in the admin.")
         return HttpResponseRedirect(reverse("dashboard:index"))
     try:
@@ -264,7 +266,7 @@ def create_queue(request):
         messages.error(request, "The queue was not made: its settings must be whole numbers.")
         return HttpResponseRedirect(reverse("dashboard:index"))
     try:
-        save_queue(name, **settings)
+        save_queue(name, existing=False, **settings)
     except ValidationError as exc:
         messages.error(request, f"The queue was not made: {validation_messages(exc, NEW_QUEUE_LABELS)}")
         return HttpResponseRedirect(reverse("dashboard:index"))
@@ -279,10 +281,12 @@ def create_queue(request):
 @require_POST
 @staff_required
 def set_paused(request, name: str, paused: bool):
-    if _find_queue(name) is None:
-        return _no_queue(request, name)
     try:
-        save_queue(name, paused=paused)
+        save_queue(name, existing=True, paused=paused)
+    except Queue.DoesNotExist:  # deleted meanwhile, or never: pausing it must not make it again
+        return _no_queue(request, name)
+    except ValidationError:  # a name the rule refuses
+        return _no_queue(request, name)
     except StorageUnavailable as exc:
         messages.error(request, f"Queue {name} was not {'paused' if paused else 'resumed'}: {exc.message}")
         return _back(request, reverse("dashboard:queue", args=[name]))
