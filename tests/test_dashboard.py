@@ -9,12 +9,15 @@ from pathlib import Path
 
 import pytest
 from channels.testing import WebsocketCommunicator
+from django.contrib.sessions.models import Session
 from django.db import connection
 from django.test import Client
 from django.test.utils import CaptureQueriesContext
 from django.utils.html import escape
 
+from queues.dashboard import consumers as dashboard_consumers
 from queues.dashboard import views
+from queues.dashboard.consumers import from_own_page
 from queues.exceptions import StorageUnavailable
 from queues.dashboard.display import chart_columns, format_duration
 from queues.dashboard.feed import SnapshotFeed
@@ -609,6 +612,40 @@ async def test_live_socket_takes_a_trusted_origin_behind_a_proxy(staff_headers, 
         assert connected
     finally:
         await communicator.disconnect()
+
+
+@pytest.mark.parametrize("trusted, origin, taken", [
+    ("https://*.example.com", "https://ops.example.com", True),
+    ("https://*.example.com", "https://example.com", True),
+    ("https://*.example.com", "http://ops.example.com", False),
+    ("https://*.example.com", "https://ops.example.com.evil.test", False),
+    ("https://ops.example.com", "https://OPS.example.com", True),
+])
+def test_a_trusted_origin_is_matched_as_djangos_csrf_check_matches_it(settings, trusted, origin, taken):
+    settings.CSRF_TRUSTED_ORIGINS = [trusted]
+    scope = {"headers": [(b"host", b"127.0.0.1:8000"), (b"origin", origin.encode())]}
+    assert from_own_page(scope) is taken
+
+
+@pytest.mark.parametrize("change, code", [
+    ({"is_staff": False}, 4403),
+    ({"is_active": False}, 4401),
+    ("log out", 4401),
+])
+@pytest.mark.django_db(transaction=True)
+async def test_live_socket_ends_once_its_login_no_longer_holds(django_user_model, monkeypatch, change, code):
+    monkeypatch.setattr(dashboard_consumers, "RECHECK_SECONDS", 0)
+    user = await django_user_model.objects.acreate(username="on-duty", is_staff=True)
+    headers = await asyncio.to_thread(session_headers, user)
+    communicator = WebsocketCommunicator(application, "/dashboard/live", headers=headers)
+    connected, _ = await communicator.connect()
+    assert connected
+    assert (await communicator.receive_json_from(timeout=5))["type"] == "snapshot"  # looked, still staff
+    if change == "log out":
+        await Session.objects.all().adelete()
+    else:
+        await django_user_model.objects.filter(pk=user.pk).aupdate(**change)
+    assert await communicator.receive_output(timeout=5) == {"type": "websocket.close", "code": code}
 
 
 # ---- one snapshot per tick, shared -------------------------------------------------------------

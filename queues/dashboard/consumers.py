@@ -1,16 +1,23 @@
 """The dashboard's live socket: pushes the shared snapshot to a staff browser about once a second."""
 
 import asyncio
+import time
+from importlib import import_module
+from urllib.parse import urlsplit
 
+from channels.auth import get_user
 from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
+from django.utils.http import is_same_domain
 
 from .feed import get_feed
 
 LIVE_PATH = "dashboard/live"  # routed in taskhoster_site/asgi.py
 CLOSE_NOT_LOGGED_IN = 4401
 CLOSE_NOT_STAFF = 4403
-
+# how often an open socket looks at its login again: a user logged out, deactivated or no longer
+# staff stops getting the feed, as they would on their next page
+RECHECK_SECONDS = 30.0
 
 DEFAULT_PORTS = {"http": "80", "https": "443"}
 
@@ -22,10 +29,25 @@ def from_own_page(scope) -> bool:
     headers = dict(scope["headers"])
     origin = headers.get(b"origin", b"").decode("latin-1").lower()
     host = headers.get(b"host", b"").decode("latin-1").lower()
-    if origin in {trusted.lower() for trusted in settings.CSRF_TRUSTED_ORIGINS}:
+    if _trusted(origin):
         return True
     scheme, _, netloc = origin.partition("://")
     return bool(host) and _with_port(netloc, scheme) == _with_port(host, scheme)
+
+
+def _trusted(origin: str) -> bool:
+    """One of CSRF_TRUSTED_ORIGINS, matched as Django's CSRF check does (`https://*.example.com`
+    takes every subdomain)."""
+    parsed = urlsplit(origin)
+    for trusted in settings.CSRF_TRUSTED_ORIGINS:
+        trusted = trusted.lower()
+        if "*" not in trusted:
+            if origin == trusted:
+                return True
+        elif (pattern := urlsplit(trusted)).scheme == parsed.scheme and is_same_domain(
+                parsed.netloc, pattern.netloc.lstrip("*")):
+            return True
+    return False
 
 
 def _with_port(netloc: str, scheme: str) -> str:
@@ -54,8 +76,23 @@ class DashboardConsumer(AsyncWebsocketConsumer):
         self.pump = asyncio.create_task(self._forward(self.box))
 
     async def _forward(self, box: asyncio.Queue) -> None:
+        checked = time.monotonic()
         while True:
-            await self.send(text_data=await box.get())
+            snapshot = await box.get()
+            if time.monotonic() - checked >= RECHECK_SECONDS:
+                if code := await self._login_lost():
+                    await self.close(code=code)
+                    return
+                checked = time.monotonic()
+            await self.send(text_data=snapshot)
+
+    async def _login_lost(self) -> int | None:
+        """The close code if the session, read afresh, no longer holds an active staff user."""
+        session = import_module(settings.SESSION_ENGINE).SessionStore(self.scope["session"].session_key)
+        user = await get_user({"session": session})
+        if not user.is_authenticated:
+            return CLOSE_NOT_LOGGED_IN
+        return None if user.is_active and user.is_staff else CLOSE_NOT_STAFF
 
     async def disconnect(self, code):
         if self.pump is not None:
