@@ -12,6 +12,7 @@ from api_support import api, bearer, queues, tokens  # noqa: F401  (fixtures)
 from queues.api import application, handlers
 from queues.events import hub
 from queues.runtime import get_registry, get_store
+from queues.services import save_queue
 from storekit import finish
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -151,7 +152,10 @@ async def test_a_waiting_claim_answers_no_items_when_the_wait_ends(api, queues, 
 
 async def test_a_claim_whose_client_left_hands_its_items_back(api, queues, tokens):
     """The client goes away while its claim waits; an item posted then is claimed by the waiting
-    claim and handed straight back, for the next claimant."""
+    claim and handed straight back, for the next claimant: no worker had it, so even on a queue
+    that hands an item out once only, it is not spent."""
+    await asyncio.to_thread(save_queue, "jobs", max_attempts=1)
+    get_registry().invalidate()
     body = json.dumps({"wait": 5}).encode()
     left = asyncio.Event()
     sent = []
@@ -184,3 +188,43 @@ async def test_a_claim_whose_client_left_hands_its_items_back(api, queues, token
     assert json.loads(sent[-1]["body"]) == {"items": []}
     item = get_store().read_item(queue="jobs", item_id=item_id)
     assert (item.status, item.attempts) == ("pending", 1)  # claimed once, then handed back
+
+
+async def test_a_reader_who_left_a_waiting_read_never_counts_as_the_fetch(api, queues, tokens):
+    """Under retainFrom fetched, the fetch starts the clock of the item's deletion: a read whose
+    client left before the item ended must not start it, or the result could go unseen."""
+    await asyncio.to_thread(save_queue, "jobs", retain_from="fetched", retain_seconds=0)
+    get_registry().invalidate()
+    item_id = await post(api, tokens["all"])
+    left = asyncio.Event()
+    requests = iter([{"type": "http.request", "body": b"", "more_body": False}])
+
+    async def receive():
+        try:
+            return next(requests)
+        except StopIteration:
+            await left.wait()
+            return {"type": "http.disconnect"}
+
+    async def send(message):
+        pass
+
+    scope = {
+        "type": "http",
+        "method": "GET",
+        "path": f"/api/queues/jobs/items/{item_id}",
+        "query_string": b"wait=10",
+        "headers": [(b"authorization", f"Bearer {tokens['all']}".encode())],
+    }
+    reading = asyncio.create_task(application(scope, receive, send))
+    await asyncio.sleep(0.2)  # waiting for the item to end
+    left.set()
+    await asyncio.sleep(0.05)
+    store = get_store()
+    config = get_registry().queue("jobs")
+    [claimed] = await asyncio.to_thread(store.claim_items, config=config)
+    assert (await asyncio.to_thread(finish, store, config, claimed.id, "seen by no one")).accepted
+    await asyncio.wait_for(reading, 10)
+
+    assert (await asyncio.to_thread(store.sweep_queue, config=config)).deleted == []
+    assert store.read_item(queue="jobs", item_id=item_id).result == "seen by no one"

@@ -31,7 +31,7 @@ COUNTERS = [
     ("taskhoster_items_retried_total", {}),
     ("taskhoster_items_canceled_total", {}),
     *[("taskhoster_items_failed_total", {"reason": r}) for r in ("timeout", "max_attempts", "canceled")],
-    *[("taskhoster_items_requeued_total", {"reason": r}) for r in ("lease", "socket", "release", "staff", "shutdown")],
+    *[("taskhoster_items_requeued_total", {"reason": r}) for r in ("lease", "socket", "release", "staff", "shutdown", "unsent")],
     ("taskhoster_item_wait_seconds_count", {}),
     ("taskhoster_item_run_seconds_count", {}),
 ]

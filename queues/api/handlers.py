@@ -160,7 +160,8 @@ async def read_item(request: Request, queue: str, item_id: str) -> Answer:
         request.watch_disconnect()
     while True:
         ended = hub.terminal_mark(queue)
-        item = await run(store.read_item, queue=queue, item_id=item_id, fetch=True)
+        # a reader who left is shown nothing: its read must not start a retention from the fetch
+        item = await run(store.read_item, queue=queue, item_id=item_id, fetch=not request.gone)
         remaining = deadline - _clock()
         if item.terminal or remaining <= 0 or request.gone:
             return Answer(200, item.to_json(payload=with_payload))
@@ -190,8 +191,8 @@ async def claim(request: Request, queue: str) -> Answer:
             break
         await hub.wait_available(queue, min(remaining, RECHECK_SECONDS), since=posted)
     if items and request.gone:
-        # nobody will work them: hand them to the next claimant now
-        await run(store.release_items, releases=_given_back(config, items, reason="socket"))
+        # nobody will work them: hand them to the next claimant now, their try not spent
+        await run(store.release_items, releases=_given_back(config, items, reason="unsent"))
         items = []
     return Answer(200, {"items": claimed(items, config.max_attempts)})
 

@@ -62,5 +62,5 @@ HTTP_IN_FLIGHT = Gauge(
 # shown at 0 before the first one, so a rate over them starts at once
 for reason in ("timeout", "max_attempts", "canceled"):
     FAILED.labels(reason)
-for reason in ("lease", "socket", "release", "staff", "shutdown"):
+for reason in ("lease", "socket", "release", "staff", "shutdown", "unsent"):
     REQUEUED.labels(reason)

@@ -124,7 +124,8 @@ class Release:
     """An item given back for another try: by the claim holding it (`claim_token`; None stands
     for any holder), after `delay` seconds, with `error` kept as its lastError. `reason` says who
     gives it back: "release" (a worker), "socket" (its socket closed), "lease" (its lease
-    lapsed), "staff", or "shutdown" (the server stops: never ends an item for its attempts)."""
+    lapsed), "staff", "shutdown" (the server stops) or "unsent" (claimed for an HTTP client that
+    left before the answer); the last two never end an item for its attempts."""
 
     config: "QueueConfig"
     item_id: str

@@ -11,7 +11,7 @@ from .items import ItemFiles
 from .promote import promote_if_due
 from .records import ABSENT, Item, QueueConfig, failed, timed_out
 
-NEVER_ENDS = ("shutdown",)  # reasons that never end an item for its attempts
+NEVER_ENDS = ("shutdown", "unsent")  # reasons that never end an item for its attempts: no worker had it
 
 
 def give_back(
