@@ -62,6 +62,26 @@ def test_a_run_at_past_the_queue_timeout_is_refused_and_nothing_is_stored(store,
     assert files_in(store, "scheduled") == files_in(store, "pending") == [] and files_in(store, "schedule") == []
 
 
+def test_a_run_at_at_the_posted_at_plus_queue_seconds_is_refused_to_the_millisecond(store, clock, config):
+    """postedAt is the id's millisecond: a runAt within the millisecond after `now` plus
+    queueSeconds would age the item out before it came due."""
+    clock.now = 1_796_000_000.0006
+    with pytest.raises(InvalidRequest, match="queueSeconds"):
+        schedule(store, config, clock.now + config.queue_seconds - 0.0003)
+    (item_id,) = schedule(store, config, 1_796_000_000.0 + config.queue_seconds - 0.001)
+    item = store.read_item(queue=Q, item_id=item_id)
+    assert item.run_at < item.posted_at + config.queue_seconds
+
+
+def test_an_item_due_within_a_millisecond_never_comes_due_before_its_run_at(store, clock, config):
+    run_at = clock.now + 10.0009
+    (item_id,) = schedule(store, config, run_at)
+    clock.now = run_at - 0.0008  # past the millisecond below the runAt
+    assert store.promote_due(config=config) == []
+    clock.now = run_at + 0.0001
+    assert store.promote_due(config=config) == [item_id]
+
+
 def test_due_items_come_out_oldest_first_and_a_batch_may_mix(store, clock, config):
     later, now_, sooner = schedule(store, config, clock.now + 20, None, clock.now + 10)
     assert states_of(store, now_) == ["pending"]

@@ -14,6 +14,7 @@ without reading it; any other mark (a worker's release for later, whose item may
 if the release fails; when the item ages out, or ends) is named `<due>.<id>.read`: its item is read
 to see what is due."""
 
+import math
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -53,7 +54,7 @@ class Schedule:
     def mark(self, queue: str, item_id: str, due: float, *, at_run_at: bool) -> DueMark:
         """Make the item's mark, not yet flushed (see `directories`). `at_run_at`: `due` is the
         item's runAt."""
-        due_ms = int(due * 1000)
+        due_ms = math.ceil(due * 1000)  # the millisecond at or after it: an item never comes due early
         path = self.layout.due_mark(queue, due_ms, item_id) + ("" if at_run_at else READ_SUFFIX)
         mark = DueMark(due_ms / 1000, item_id, path, at_run_at)
         self.write(mark)

@@ -202,8 +202,9 @@ class Store:
 
     @staticmethod
     def _check_schedule(config: QueueConfig, run_ats: list[float], now: float) -> None:
-        # an id's time is its posting time, which is `now` give or take the id maker's millisecond
-        if any(run_at >= now + config.queue_seconds for run_at in run_ats):
+        # an item's postedAt is its id's time: `now` to the millisecond below, or later
+        posted_at = int(now * 1000) / 1000
+        if any(run_at >= posted_at + config.queue_seconds for run_at in run_ats):
             raise InvalidRequest(
                 f"runAt must come before the item ages out: within queueSeconds ({config.queue_seconds} s) of the post"
             )
