@@ -18,7 +18,7 @@ django_application = get_asgi_application()  # sets Django up before the apps be
 
 from channels.auth import AuthMiddlewareStack  # noqa: E402
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
-from channels.security.websocket import AllowedHostsOriginValidator, WebsocketDenier  # noqa: E402
+from channels.security.websocket import WebsocketDenier  # noqa: E402
 from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler  # noqa: E402
 from django.urls import path, re_path  # noqa: E402
 
@@ -29,6 +29,10 @@ from queues.dashboard.consumers import LIVE_PATH, DashboardConsumer  # noqa: E40
 from queues.serving.bodies import LimitedBodies  # noqa: E402
 from queues.serving.stopping import AnswerWhenCut  # noqa: E402
 
+class RefusedSocket(WebsocketDenier):
+    channel_layer_alias = None  # refusing takes no channel: with Redis down it would be a 500
+
+
 http_routes = [
     # (path prefix, ASGI app): first match wins; added by the API.
     ("/api/", api_application),
@@ -38,8 +42,8 @@ websocket_urlpatterns = [
     # django.urls.path(...) entries: /work and the dashboard's live socket.
     path("work", WorkConsumer.as_asgi()),  # checks its own Origin rule: workers send none
     # staff only, by session login; a browser's socket must come from one of our own pages
-    path(LIVE_PATH, AllowedHostsOriginValidator(AuthMiddlewareStack(DashboardConsumer.as_asgi()))),
-    re_path(r"", WebsocketDenier.as_asgi()),  # any other path: refused (HTTP 403), never a 500
+    path(LIVE_PATH, AuthMiddlewareStack(DashboardConsumer.as_asgi())),
+    re_path(r"", RefusedSocket.as_asgi()),  # any other path: refused (HTTP 403), never a 500
 ]
 
 

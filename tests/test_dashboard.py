@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+from channels.layers import channel_layers
 from channels.testing import WebsocketCommunicator
 from django.contrib.sessions.models import Session
 from django.db import connection
@@ -612,6 +613,30 @@ async def test_live_socket_takes_a_trusted_origin_behind_a_proxy(staff_headers, 
         assert connected
     finally:
         await communicator.disconnect()
+
+
+def test_a_page_of_a_host_not_allowed_is_refused_though_it_names_the_host_it_reached():
+    """A name of the attacker's that resolves to this server (DNS rebinding)."""
+    scope = {"headers": [(b"host", b"evil.example:8000"), (b"origin", b"http://evil.example:8000")]}
+    assert from_own_page(scope) is False
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_the_live_socket_and_a_refused_one_need_no_redis(staff_headers, settings):
+    """With Redis down, staff still get the live feed and a socket to nowhere is still a 403."""
+    settings.CHANNEL_LAYERS = {"default": {"BACKEND": "channels_redis.core.RedisChannelLayer",
+                                           "CONFIG": {"hosts": ["redis://127.0.0.1:1"]}}}
+    channel_layers.backends.clear()
+    try:
+        live = WebsocketCommunicator(application, "/dashboard/live", headers=staff_headers)
+        connected, _ = await live.connect()
+        assert connected
+        await live.disconnect()
+        nowhere = WebsocketCommunicator(application, "/nowhere", headers=staff_headers)
+        connected, _ = await nowhere.connect()
+        assert not connected
+    finally:
+        channel_layers.backends.clear()
 
 
 @pytest.mark.parametrize("trusted, origin, taken", [

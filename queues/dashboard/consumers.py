@@ -8,6 +8,7 @@ from urllib.parse import urlsplit
 from channels.auth import get_user
 from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
+from django.http.request import split_domain_port, validate_host
 from django.utils.http import is_same_domain
 
 from .feed import get_feed
@@ -24,15 +25,18 @@ DEFAULT_PORTS = {"http": "80", "https": "443"}
 
 def from_own_page(scope) -> bool:
     """Whether the socket was opened by one of our own pages: the browser's Origin names the host
-    and port it connected to (as Django's CSRF check counts them), or one of CSRF_TRUSTED_ORIGINS.
-    ALLOWED_HOSTS alone ignores the port, and another site on the same host shares our cookies."""
+    and port it connected to (as Django's CSRF check counts them), a host of ALLOWED_HOSTS, or is
+    one of CSRF_TRUSTED_ORIGINS. ALLOWED_HOSTS alone ignores the port, and another site on the
+    same host shares our cookies."""
     headers = dict(scope["headers"])
     origin = headers.get(b"origin", b"").decode("latin-1").lower()
     host = headers.get(b"host", b"").decode("latin-1").lower()
     if _trusted(origin):
         return True
     scheme, _, netloc = origin.partition("://")
-    return bool(host) and _with_port(netloc, scheme) == _with_port(host, scheme)
+    domain, _ = split_domain_port(host)
+    return (bool(domain) and validate_host(domain, settings.ALLOWED_HOSTS)
+            and _with_port(netloc, scheme) == _with_port(host, scheme))
 
 
 def _trusted(origin: str) -> bool:
@@ -57,6 +61,7 @@ def _with_port(netloc: str, scheme: str) -> str:
 
 
 class DashboardConsumer(AsyncWebsocketConsumer):
+    channel_layer_alias = None  # fed in-process (feed.py): a Redis outage must not refuse staff with a 500
     box: asyncio.Queue | None = None
     pump: asyncio.Task | None = None
 
