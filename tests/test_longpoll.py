@@ -11,6 +11,7 @@ import pytest
 from api_support import api, bearer, queues, tokens  # noqa: F401  (fixtures)
 from queues.api import application, handlers
 from queues.events import hub
+from queues.models import ApiToken
 from queues.runtime import get_registry, get_store
 from queues.services import save_queue
 from storekit import finish
@@ -188,6 +189,18 @@ async def test_a_claim_whose_client_left_hands_its_items_back(api, queues, token
     assert json.loads(sent[-1]["body"]) == {"items": []}
     item = get_store().read_item(queue="jobs", item_id=item_id)
     assert (item.status, item.attempts) == ("pending", 1)  # claimed once, then handed back
+
+
+async def test_a_waiting_claim_stops_once_its_token_is_revoked(api, queues, tokens):
+    claiming = asyncio.create_task(api.post("/api/queues/jobs/claim", json={"wait": 10}, headers=bearer(tokens["all"])))
+    await asyncio.sleep(0.2)  # waiting for an item
+    await ApiToken.objects.filter(name="all").adelete()
+    get_registry().invalidate()  # as the admin's own process does; the others within a second
+    item_id = await post(api, tokens["producer"])  # wakes the claim
+    answer = await asyncio.wait_for(claiming, 10)
+    assert (answer.status_code, answer.json()["error"]) == (401, "unauthorized")
+    item = get_store().read_item(queue="jobs", item_id=item_id)
+    assert (item.status, item.attempts) == ("pending", 0)
 
 
 async def test_a_reader_who_left_a_waiting_read_never_counts_as_the_fetch(api, queues, tokens):

@@ -7,7 +7,7 @@ import time
 
 from .. import ids
 from ..events import hub
-from ..exceptions import InvalidRequest, ItemNotFound, UnknownQueue
+from ..exceptions import InvalidRequest, ItemNotFound
 from ..protocol import (
     MAX_CLAIM,
     MAX_HTTP_WAIT_SECONDS,
@@ -176,14 +176,13 @@ async def claim(request: Request, queue: str) -> Answer:
     body = json_object(await request.json(when_empty={}), allowed={"max", "wait"})
     max_items = integer_field(body, "max", low=1, high=MAX_CLAIM, default=1)
     wait = number_field(body, "wait", low=0, high=MAX_HTTP_WAIT_SECONDS, default=0)
-    registry, store, deadline = get_registry(), get_store(), _clock() + wait
+    store, deadline = get_store(), _clock() + wait
     if wait:
         request.watch_disconnect()
     while True:
-        await registry.arefresh()  # a pause or a change of lease takes effect while waiting
-        config = registry.queue(queue)
-        if config is None:
-            raise UnknownQueue(f"queue {queue!r} was deleted")
+        # a token revoked or narrowed, the queue deleted or paused, its lease changed: all take
+        # effect while the claim waits
+        config = await authorize(request, queue, WORK)
         posted = hub.available_mark(queue)
         items = await _claim_whole(store, config, max_items)
         remaining = deadline - _clock()
