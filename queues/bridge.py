@@ -32,6 +32,17 @@ async def registered_queue_names() -> list[str]:
     return [config.name for config in registry.queues()]
 
 
+async def open_channel(layer, what: str) -> str:
+    """A channel of the layer to receive on, once the layer can be reached: a server started while
+    Redis is down works alone meanwhile (claims still find items by their re-check)."""
+    while True:
+        try:
+            return await layer.new_channel()
+        except Exception:
+            log.warning("cannot reach the channel layer for %s; trying again", what, exc_info=True)
+            await asyncio.sleep(RETRY_SECONDS)
+
+
 class ChannelBridge:
     def __init__(
         self,
@@ -48,7 +59,7 @@ class ChannelBridge:
         self._lock = threading.Lock()
         self._available: dict[str, int] = {}
         self._terminal: dict[str, list[str]] = {}
-        self._canceled: dict[str, list[str]] = {}
+        self._canceled: dict[str, list[list]] = {}  # queue -> [id, claim token] pairs
         self._flush_scheduled = False
         self._outbox_ready: asyncio.Event | None = None
 
@@ -57,7 +68,7 @@ class ChannelBridge:
         cancelled."""
         self._loop = asyncio.get_running_loop()
         self._outbox_ready = asyncio.Event()
-        self.channel = await self.layer.new_channel()
+        self.channel = await open_channel(self.layer, "wake-ups and cancels from other processes")
         self.hub.bridge = self
         try:
             await asyncio.gather(self._join_groups(), self._send_outbox(), self._receive())
@@ -120,8 +131,9 @@ class ChannelBridge:
         elif kind == "terminal" and isinstance(message.get("ids"), list):
             self.hub.items_terminal(queue, message["ids"], local_only=True)
         elif kind == "canceled" and isinstance(message.get("ids"), list):
-            for item_id in message["ids"]:
-                self.hub.item_canceled(queue, item_id, local_only=True)
+            for canceled in message["ids"]:  # [id, claim token]
+                if isinstance(canceled, list) and len(canceled) == 2:
+                    self.hub.item_canceled(queue, *canceled, local_only=True)
 
     async def _join_groups(self) -> None:
         """Be in the group of every queue, re-joining each time (memberships may expire)."""

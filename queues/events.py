@@ -80,15 +80,20 @@ class Hub:
         if self.bridge is not None and not local_only and item_ids:
             self.bridge.publish("terminal", queue, item_ids)
 
-    def item_canceled(self, queue: str, item_id: str, *, local_only: bool = False) -> None:
-        """A processing item was canceled: tell the socket holding it, in this process or
-        (through the bridge) in another."""
+    def item_canceled(self, queue: str, item_id: str, claim_token: str | None, *, local_only: bool = False) -> None:
+        """A processing item was canceled under this claim: tell the socket holding it by that
+        claim, in this process or (through the bridge) in another. A socket here that held the
+        item by an older claim (it lapsed, or staff re-queued it) is not the one."""
         with self._lock:
-            holder = self._holders.pop((queue, item_id), None)
+            holder = self._holders.get((queue, item_id))
+            if holder is not None and holder[0] == claim_token:
+                del self._holders[(queue, item_id)]
+            else:
+                holder = None
         if holder is not None:
             holder[1](queue, item_id)
         elif self.bridge is not None and not local_only:
-            self.bridge.publish("canceled", queue, [item_id])
+            self.bridge.publish("canceled", queue, [[item_id, claim_token]])
 
     def hold(self, queue: str, item_id: str, claim_token: str, told: Callable[[str, str], None]) -> None:
         """`told(queue, item_id)` is called (from any thread) if the item is canceled while held

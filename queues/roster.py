@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from . import ids
+from .bridge import open_channel
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +116,7 @@ class RosterExchange:
         self.channel: str | None = None
 
     async def run(self) -> None:
-        self.channel = await self.layer.new_channel()
+        self.channel = await open_channel(self.layer, "the workers of other processes")
         await asyncio.gather(self._publish(), self._receive())
 
     async def _publish(self) -> None:

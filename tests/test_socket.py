@@ -13,6 +13,7 @@ import pytest
 from channels.layers import InMemoryChannelLayer
 from channels.testing import WebsocketCommunicator
 
+from queues import bridge as bridge_module
 from queues import consumers, runtime
 from queues.bridge import ChannelBridge, group_name
 from queues.events import Hub, hub
@@ -607,6 +608,38 @@ async def bridged_hubs(count: int = 2):
     assert all(h.bridge is None for h in hubs)
 
 
+class LayerDownAtFirst(InMemoryChannelLayer):
+    """A channel layer whose server cannot be reached for its first `misses` channels."""
+
+    def __init__(self, misses: int):
+        super().__init__()
+        self.misses = misses
+
+    async def new_channel(self, prefix="specific."):
+        if self.misses:
+            self.misses -= 1
+            raise ConnectionError("the channel layer's server is down")
+        return await super().new_channel(prefix)
+
+
+async def test_a_bridge_started_while_the_layer_is_down_joins_once_it_is_up(monkeypatch):
+    monkeypatch.setattr(bridge_module, "RETRY_SECONDS", 0.01)
+    layer, hub_ = LayerDownAtFirst(misses=3), Hub()
+
+    async def names():
+        return ["jobs"]
+
+    running = asyncio.create_task(ChannelBridge(layer, hub=hub_, queue_names=names).run())
+    try:
+        while hub_.bridge is None:
+            assert not running.done(), running.exception()
+            await asyncio.sleep(0.01)
+        assert layer.misses == 0
+    finally:
+        running.cancel()
+        await asyncio.gather(running, return_exceptions=True)
+
+
 async def test_the_bridge_wakes_claims_waiting_in_another_process_as_many_as_items():
     async with bridged_hubs() as (here, there):
         waiters = [asyncio.create_task(there.wait_available("jobs", 1.0)) for _ in range(3)]
@@ -749,8 +782,21 @@ async def test_the_bridge_tells_the_process_whose_socket_holds_a_canceled_item()
     async with bridged_hubs() as (here, there):
         told = asyncio.get_running_loop().create_future()
         there.hold("jobs", MISSING_ID, "a-claim", lambda queue, item_id: told.set_result((queue, item_id)))
-        here.item_canceled("jobs", MISSING_ID)  # no socket here holds it
+        here.item_canceled("jobs", MISSING_ID, "a-claim")  # no socket here holds it
         assert await asyncio.wait_for(told, TIMEOUT) == ("jobs", MISSING_ID)
+
+
+async def test_a_cancel_passes_over_a_socket_here_whose_claim_lapsed_for_the_one_elsewhere_holding_it():
+    """A socket here held the item by a claim that lapsed; a socket in another process claimed it
+    since: the cancel of that later claim is told there, not here."""
+    async with bridged_hubs() as (here, there):
+        loop = asyncio.get_running_loop()
+        told_here, told_there = loop.create_future(), loop.create_future()
+        here.hold("jobs", MISSING_ID, "first-claim", lambda queue, item_id: told_here.set_result(item_id))
+        there.hold("jobs", MISSING_ID, "second-claim", lambda queue, item_id: told_there.set_result(item_id))
+        here.item_canceled("jobs", MISSING_ID, "second-claim")
+        assert await asyncio.wait_for(told_there, TIMEOUT) == MISSING_ID
+        assert not told_here.done()
 
 
 async def test_claims_waiting_on_one_socket_are_capped_and_the_socket_goes_on(token, monkeypatch):

@@ -644,7 +644,7 @@ def test_a_cancel_ends_an_item_that_has_not_ended_and_refuses_later_results(tmp_
         def items_terminal(self, queue, item_ids):
             pass
 
-        def item_canceled(self, queue, item_id):
+        def item_canceled(self, queue, item_id, claim_token):
             told.append(item_id)
 
     store = Store(tmp_path / "data", fsync=False, clock=clock, events=Events())

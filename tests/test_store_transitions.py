@@ -103,7 +103,7 @@ def test_those_told_an_item_ended_find_it_in_one_state(tmp_path, clock, config):
         def items_terminal(self, queue, item_ids):
             told.append([states_of(store, item_id) for item_id in item_ids])
 
-        def item_canceled(self, queue, item_id):
+        def item_canceled(self, queue, item_id, claim_token):
             pass
 
     store = Store(tmp_path / "data", fsync=True, clock=clock, events=Events())
@@ -695,7 +695,7 @@ def test_a_single_post_may_be_claimed_while_it_is_flushed(tmp_path, clock, confi
         def items_terminal(self, queue, item_ids):
             pass
 
-        def item_canceled(self, queue, item_id):
+        def item_canceled(self, queue, item_id, claim_token):
             pass
 
     store = Store(tmp_path / "data", fsync=True, clock=clock, events=Events())
@@ -737,7 +737,7 @@ def test_a_claim_never_waits_for_a_large_directory_to_be_listed(tmp_path, clock,
         def items_terminal(self, queue, item_ids):
             pass
 
-        def item_canceled(self, queue, item_id):
+        def item_canceled(self, queue, item_id, claim_token):
             pass
 
     monkeypatch.setattr(PendingIndex, "_oldest_in_directory", slow_listing)

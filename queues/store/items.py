@@ -45,7 +45,7 @@ class Events(Protocol):
 
     def items_terminal(self, queue: str, item_ids: list[str]) -> None: ...
 
-    def item_canceled(self, queue: str, item_id: str) -> None: ...
+    def item_canceled(self, queue: str, item_id: str, claim_token: str | None) -> None: ...
 
 
 class NoEvents:
@@ -55,7 +55,7 @@ class NoEvents:
     def items_terminal(self, queue: str, item_ids: list[str]) -> None:
         pass
 
-    def item_canceled(self, queue: str, item_id: str) -> None:
+    def item_canceled(self, queue: str, item_id: str, claim_token: str | None) -> None:
         pass
 
 

@@ -491,7 +491,7 @@ class Store:
             done = failed(item, "canceled", self.clock())
             self._items.end(queue, state, done)
         if state == "processing":
-            self._items.events.item_canceled(queue, item_id)
+            self._items.events.item_canceled(queue, item_id, item.claim_token)
         return done, True
 
     def promote_due(self, *, config: QueueConfig) -> list[str]:
