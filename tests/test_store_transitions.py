@@ -2,8 +2,11 @@
 at store level), with the injected FakeClock instead of sleeps. The timers applied by the sweep are in
 test_store_sweep.py; failures of the disk in test_store_faults.py."""
 
+import fcntl
 import json
 import os
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import replace
@@ -11,6 +14,7 @@ from dataclasses import replace
 import pytest
 
 from conftest import alongside
+from serverproc import PROJECT_DIR
 from queues import ids
 from queues.exceptions import InvalidRequest, ItemNotFound, NotHeld, PayloadTooLarge
 from queues.store import NewItem, QueueConfig, Release, Store
@@ -642,11 +646,61 @@ def test_delete_queue_removes_its_items_and_only_them(store, config):
     post(store, queue="keep")
     post(store, 1, 2)
     store.delete_queue(Q)
-    assert not queue_dir(store).exists()
+    assert os.listdir(queue_dir(store)) == ["locks"]  # kept for the other processes: see below
     assert store.count_items(queue="keep").pending == 1
     # the queue can be made again from scratch
     (item_id,) = post(store)
     assert claim_one(store, config).id == item_id
+
+
+OPEN_THEN_HOLD = """
+import sys, time
+from pathlib import Path
+from contextlib import ExitStack
+from queues.store.locks import ITEM_STRIPES, QueueLocks
+lock_file, opened, hold, held = sys.argv[1:]
+locks = QueueLocks.for_file(lock_file)
+Path(opened).write_text("")
+while not Path(hold).exists():
+    time.sleep(0.01)
+with ExitStack() as stack:
+    for stripe in range(ITEM_STRIPES):
+        stack.enter_context(locks.hold(f"{stripe:02x}"))
+    Path(held).write_text("")
+    time.sleep(60)
+"""
+
+
+def test_a_queue_deleted_and_made_again_still_locks_against_a_process_that_knew_it_before(tmp_path, config):
+    """Another server process opened the queue's lock file before the queue was deleted here and
+    made again: its item locks must still exclude this process's."""
+    store = Store(tmp_path / "data", fsync=False)
+    store.ensure_queue(Q)
+    signals = {name: tmp_path / name for name in ("opened", "hold", "held")}
+    other = subprocess.Popen([sys.executable, "-c", OPEN_THEN_HOLD, f"{queue_dir(store)}/locks/items",
+                              *map(str, signals.values())], cwd=PROJECT_DIR)
+    try:
+        wait_for_file(signals["opened"], other)
+        store.delete_queue(Q)
+        store.ensure_queue(Q)
+        signals["hold"].write_text("")
+        wait_for_file(signals["held"], other)
+        fd = os.open(f"{queue_dir(store)}/locks/items", os.O_RDWR)
+        try:
+            with pytest.raises(OSError):
+                fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, 0)
+        finally:
+            os.close(fd)
+    finally:
+        other.kill()
+        other.wait()
+
+
+def wait_for_file(path, process) -> None:
+    deadline = time.monotonic() + 60
+    while not path.exists():
+        assert process.poll() is None and time.monotonic() < deadline
+        time.sleep(0.01)
 
 
 @pytest.mark.parametrize("claimed", ["just after it is moved in", "while pending/ is flushed"])

@@ -300,10 +300,12 @@ def _remove_xattrs(path: str) -> None:
 
 
 def remove_tree(path: str) -> None:
-    """Remove a directory and everything in it; nothing if it is missing."""
+    """Remove a directory and everything in it, or a file; nothing if it is missing."""
     _before("unlink", path)
     try:
         shutil.rmtree(path)
+    except NotADirectoryError:
+        remove(path)
     except FileNotFoundError:
         pass
 

@@ -29,7 +29,8 @@ _DIGEST = re.compile(r"[0-9a-f]{64}")
 ITEM_STATES = ("scheduled", "pending", "processing", "done")
 STATES = ("tmp", *ITEM_STATES)
 MARKS = ("failed", "fetched", "errors")
-DIRECTORIES = (*STATES, *MARKS, "quarantine", "stats", "locks", "schedule", "keys")
+LOCKS_DIRECTORY = "locks"
+DIRECTORIES = (*STATES, *MARKS, "quarantine", "stats", LOCKS_DIRECTORY, "schedule", "keys")
 SLOT_SECONDS = 10  # a schedule slot: the marks of items due within the same ten seconds
 ITEM_SUFFIX = ".json"
 SPARE_SUFFIX = ".spare"
@@ -120,10 +121,10 @@ class Layout:
         return f"{self.queue_dir(queue)}/stats/{int(minute)}.{status}"
 
     def lock_file(self, queue: str) -> str:
-        return f"{self.queue_dir(queue)}/locks/items"
+        return f"{self.queue_dir(queue)}/{LOCKS_DIRECTORY}/items"
 
     def key_lock_file(self, queue: str) -> str:
-        return f"{self.queue_dir(queue)}/locks/keys"
+        return f"{self.queue_dir(queue)}/{LOCKS_DIRECTORY}/keys"
 
     def key(self, queue: str, digest: str) -> str:
         """The file of an idempotency key, named for its SHA-256 (a key may hold any printable

@@ -35,7 +35,7 @@ from ..exceptions import (
 from . import files, stats, sweep
 from .items import Events, ItemFiles, NoEvents, Observer, done_directories
 from .keys import check_key, same_payload
-from .layout import Layout, is_valid_queue_name, item_id_of
+from .layout import LOCKS_DIRECTORY, Layout, is_valid_queue_name, item_id_of
 from .pending import CAPACITY
 from .records import (
     ABSENT,
@@ -120,10 +120,15 @@ class Store:
             self._items.ensure_queue(queue)
 
     def delete_queue(self, queue: str) -> None:
-        """Delete the queue's directory and every item in it."""
+        """Delete every item of the queue and its directories, but its lock files: other server
+        processes keep theirs open, and a queue made again under the name must lock the same
+        files, or those processes would no longer exclude this one."""
         self._items.forget_queue(queue)
+        queue_dir = self._items.layout.queue_dir(queue)
         with _storage_errors:
-            files.remove_tree(self._items.layout.queue_dir(queue))
+            for name in files.names(queue_dir):
+                if name != LOCKS_DIRECTORY:
+                    files.remove_tree(f"{queue_dir}/{name}")
 
     def check_health(self) -> Health:
         """Whether the data directory takes a real write, flushed, and how much room is left."""
