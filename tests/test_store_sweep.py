@@ -154,19 +154,35 @@ def test_a_fetch_of_a_result_whose_flush_then_failed_never_starts_the_items_rete
     assert states_of(store, item_id) == ["processing"]
 
 
-def test_retention_from_fetched_never_deletes_an_item_whose_fetched_mark_outlived_its_end(store, clock, config):
-    """A fetched mark of an end that was undone (the reader wrote it after the end was taken
-    back): the item is not done, so its mark starts nothing."""
-    fetched = replace(config, retain_from="fetched", retain_seconds=0)
+def stale_fetched_mark(store, clock, config):
+    """A processing item with a fetched mark of an end that was undone (the reader wrote it
+    after the end was taken back)."""
     (item_id,) = post(store)
-    claim_one(store, fetched)
+    claim_one(store, config)
     mark = queue_dir(store) / "fetched" / item_id
     mark.touch()
     os.utime(mark, (clock.now, clock.now))
-    clock.advance(1)
+    return item_id
+
+
+def test_retention_from_fetched_never_deletes_an_item_whose_fetched_mark_outlived_its_end(store, clock, config):
+    fetched = replace(config, retain_from="fetched", retain_seconds=60, lease_seconds=3600)
+    item_id = stale_fetched_mark(store, clock, fetched)
+    clock.advance(61)
     assert store.sweep_queue(config=fetched).deleted == []
     assert states_of(store, item_id) == ["processing"]
     assert finish(store, fetched, item_id, "r").accepted
+
+
+def test_a_fetched_mark_that_outlived_an_end_never_starts_the_retention_of_the_next_end(store, clock, config):
+    fetched = replace(config, retain_from="fetched", retain_seconds=60, lease_seconds=3600)
+    item_id = stale_fetched_mark(store, clock, fetched)
+    clock.advance(61)
+    assert finish(store, fetched, item_id, "r").accepted
+    assert store.sweep_queue(config=fetched).deleted == []  # not fetched since it ended
+    store.read_item(queue=Q, item_id=item_id, fetch=True)
+    clock.advance(61)
+    assert store.sweep_queue(config=fetched).deleted == [item_id]
 
 
 def test_a_stray_file_among_the_fetched_marks_never_stops_the_sweep(store, clock, config):

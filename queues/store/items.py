@@ -405,8 +405,10 @@ class ItemFiles:
         if state == "scheduled":
             self.schedule.mark(queue, done.id, self.clock(), at_run_at=False)
         kind = _mark_of(done)
-        for other in ("failed", "errors"):
-            if other != kind:  # left by an earlier end that a crash cut short before its link
+        for other in ("failed", "errors", "fetched"):
+            # left by an earlier end that a crash cut short before its link, or a fetch of an end
+            # whose flush failed: the item is not done, so no mark it has is its own
+            if other != kind:
                 files.remove(self.layout.mark(queue, other, done.id))
         mark = self.layout.mark(queue, kind, done.id) if kind else None
         marked = False
