@@ -11,7 +11,7 @@ import pytest
 from channels.layers import channel_layers
 from channels.testing import WebsocketCommunicator
 from django.contrib.sessions.models import Session
-from django.db import connection
+from django.db import DatabaseError, connection
 from django.test import Client
 from django.test.utils import CaptureQueriesContext
 from django.utils.html import escape
@@ -589,7 +589,7 @@ async def test_live_socket_refuses_pages_of_the_same_site_on_another_port_or_hos
 @pytest.mark.parametrize("host, origin", [
     (b"localhost", b"http://localhost"),
     (b"localhost:80", b"http://localhost"),
-    (b"LOCALHOST", b"https://localhost:443"),
+    (b"LOCALHOST", b"http://localhost:80"),
 ])
 @pytest.mark.django_db(transaction=True)
 async def test_live_socket_takes_its_own_origin_with_or_without_the_default_port(staff_headers, host, origin):
@@ -613,6 +613,26 @@ async def test_live_socket_takes_a_trusted_origin_behind_a_proxy(staff_headers, 
         assert connected
     finally:
         await communicator.disconnect()
+
+
+@pytest.mark.parametrize("socket_scheme, origin, taken", [
+    ("ws", "http://example.com", True),
+    ("wss", "https://example.com", True),
+    ("wss", "https://example.com:443", True),
+    ("wss", "http://example.com", False),  # a page on port 80 reading the dashboard on 443
+    ("ws", "https://example.com", False),
+])
+def test_the_default_port_of_the_host_is_that_of_the_scheme_the_socket_came_by(settings, socket_scheme, origin,
+                                                                                taken):
+    settings.ALLOWED_HOSTS = ["example.com"]
+    scope = {"scheme": socket_scheme, "headers": [(b"host", b"example.com"), (b"origin", origin.encode())]}
+    assert from_own_page(scope) is taken
+
+
+def test_with_debug_on_and_no_allowed_hosts_the_local_names_are_allowed_as_on_the_pages(settings):
+    settings.DEBUG, settings.ALLOWED_HOSTS = True, []
+    scope = {"headers": [(b"host", b"localhost:8000"), (b"origin", b"http://localhost:8000")]}
+    assert from_own_page(scope) is True
 
 
 def test_a_page_of_a_host_not_allowed_is_refused_though_it_names_the_host_it_reached():
@@ -650,6 +670,24 @@ def test_a_trusted_origin_is_matched_as_djangos_csrf_check_matches_it(settings, 
     settings.CSRF_TRUSTED_ORIGINS = [trusted]
     scope = {"headers": [(b"host", b"127.0.0.1:8000"), (b"origin", origin.encode())]}
     assert from_own_page(scope) is taken
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_a_login_that_cannot_be_looked_at_again_keeps_the_feed_going(staff_headers, monkeypatch):
+    monkeypatch.setattr(dashboard_consumers, "RECHECK_SECONDS", 0)
+
+    async def database_down(consumer):
+        raise DatabaseError("the database is down")
+
+    monkeypatch.setattr(dashboard_consumers.DashboardConsumer, "_login_lost", database_down)
+    communicator = WebsocketCommunicator(application, "/dashboard/live", headers=staff_headers)
+    connected, _ = await communicator.connect()
+    assert connected
+    try:
+        for _ in range(2):
+            assert "queues" in await communicator.receive_json_from(timeout=5)
+    finally:
+        await communicator.disconnect()
 
 
 @pytest.mark.parametrize("change, code", [

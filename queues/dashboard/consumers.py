@@ -1,6 +1,7 @@
 """The dashboard's live socket: pushes the shared snapshot to a staff browser about once a second."""
 
 import asyncio
+import logging
 import time
 from importlib import import_module
 from urllib.parse import urlsplit
@@ -22,21 +23,28 @@ RECHECK_SECONDS = 30.0
 
 DEFAULT_PORTS = {"http": "80", "https": "443"}
 
+log = logging.getLogger(__name__)
+
 
 def from_own_page(scope) -> bool:
     """Whether the socket was opened by one of our own pages: the browser's Origin names the host
-    and port it connected to (as Django's CSRF check counts them), a host of ALLOWED_HOSTS, or is
-    one of CSRF_TRUSTED_ORIGINS. ALLOWED_HOSTS alone ignores the port, and another site on the
-    same host shares our cookies."""
+    and port it connected to, by the scheme it used (as Django's CSRF check counts them), a host
+    of ALLOWED_HOSTS, or is one of CSRF_TRUSTED_ORIGINS. ALLOWED_HOSTS alone ignores the port, and
+    another site on the same host shares our cookies."""
     headers = dict(scope["headers"])
     origin = headers.get(b"origin", b"").decode("latin-1").lower()
     host = headers.get(b"host", b"").decode("latin-1").lower()
     if _trusted(origin):
         return True
-    scheme, _, netloc = origin.partition("://")
     domain, _ = split_domain_port(host)
-    return (bool(domain) and validate_host(domain, settings.ALLOWED_HOSTS)
-            and _with_port(netloc, scheme) == _with_port(host, scheme))
+    own = f"{'https' if scope.get('scheme') == 'wss' else 'http'}://{host}"
+    return bool(domain) and validate_host(domain, _allowed_hosts()) and _with_port(origin) == _with_port(own)
+
+
+def _allowed_hosts() -> list[str]:
+    if settings.DEBUG and not settings.ALLOWED_HOSTS:  # as Django's own pages take them
+        return [".localhost", "127.0.0.1", "[::1]"]
+    return settings.ALLOWED_HOSTS
 
 
 def _trusted(origin: str) -> bool:
@@ -54,10 +62,12 @@ def _trusted(origin: str) -> bool:
     return False
 
 
-def _with_port(netloc: str, scheme: str) -> str:
+def _with_port(origin: str) -> str:
+    """`scheme://host:port`, the port written out when it is the scheme's default."""
+    scheme, _, netloc = origin.partition("://")
     if netloc.endswith("]") or ":" not in netloc:  # "[::1]" or "example.com": no port given
-        return f"{netloc}:{DEFAULT_PORTS.get(scheme, '')}"
-    return netloc
+        return f"{scheme}://{netloc}:{DEFAULT_PORTS.get(scheme, '')}"
+    return origin
 
 
 class DashboardConsumer(AsyncWebsocketConsumer):
@@ -85,10 +95,15 @@ class DashboardConsumer(AsyncWebsocketConsumer):
         while True:
             snapshot = await box.get()
             if time.monotonic() - checked >= RECHECK_SECONDS:
-                if code := await self._login_lost():
-                    await self.close(code=code)
-                    return
-                checked = time.monotonic()
+                try:
+                    code = await self._login_lost()
+                except Exception:  # the database is down: keep feeding, look again next time
+                    log.warning("cannot look at a live dashboard's login again", exc_info=True)
+                else:
+                    if code:
+                        await self.close(code=code)
+                        return
+                    checked = time.monotonic()
             await self.send(text_data=snapshot)
 
     async def _login_lost(self) -> int | None:
