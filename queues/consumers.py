@@ -84,13 +84,17 @@ def _closing_reason() -> str:
     return "shutdown" if server_stopping.is_set() else "socket"
 
 
+def frame_too_large(size: int) -> PayloadTooLarge:
+    return PayloadTooLarge(
+        f"the frame is {size} bytes or more; the limit is {settings.TASKHOSTER_MAX_BODY_BYTES} (TASKHOSTER_MAX_BODY_BYTES)"
+    )
+
+
 def parse_frame(data: str | bytes) -> dict:
     """A text frame, or a binary one holding UTF-8 JSON, as a JSON object."""
     raw = data.encode("utf-8", "surrogatepass") if isinstance(data, str) else data
     if len(raw) > settings.TASKHOSTER_MAX_BODY_BYTES:
-        raise PayloadTooLarge(
-            f"the frame is {len(raw)} bytes; the limit is {settings.TASKHOSTER_MAX_BODY_BYTES} (TASKHOSTER_MAX_BODY_BYTES)"
-        )
+        raise frame_too_large(len(raw))
     frame = parse_json(raw)
     if not isinstance(frame, dict):
         raise InvalidRequest("a frame must be a JSON object")
@@ -181,6 +185,9 @@ class WorkConsumer(AsyncWebsocketConsumer):
         if self.token is None:
             return  # refused; the close is on its way
         data = text_data if text_data is not None else bytes_data
+        if len(data) > settings.TASKHOSTER_MAX_BODY_BYTES:  # refused unread: it takes no share of the budget
+            await self.answer_error(None, frame_too_large(len(data)))
+            return
         await receiving.wait_for_room(len(data), limit=BODIES_AT_ONCE * settings.TASKHOSTER_MAX_BODY_BYTES)
         ref = None
         try:

@@ -314,6 +314,17 @@ async def test_frames_over_the_body_limit_are_too_large(token, settings):
         assert (await ask(ws, {"op": "claim", "queue": "jobs"}))["op"] == "items"
 
 
+async def test_a_frame_over_the_limit_is_refused_at_once_while_other_frames_fill_the_budget(token, settings, monkeypatch):
+    """It is never read, so it takes no share of what the process may receive at once, nor waits
+    for one: a frame far over a small limit is answered however busy the server is."""
+    settings.TASKHOSTER_MAX_BODY_BYTES = 1000
+    monkeypatch.setattr(consumers.receiving, "taken", 10 * 1000)  # others' frames fill the budget
+    async with connected(token) as ws:
+        answer = await ask(ws, {"op": "claim", "queue": "jobs", "pad": "x" * 5000})
+        assert answer["code"] == "payload_too_large"
+        assert consumers.receiving.taken == 10 * 1000
+
+
 async def test_a_result_over_the_payload_limit_is_too_large_and_changes_nothing(token, settings):
     settings.TASKHOSTER_MAX_PAYLOAD_BYTES = 100
     get_store.cache_clear()
