@@ -188,13 +188,6 @@ class ApiTokenAdmin(admin.ModelAdmin):
     def queue_list(self, obj):
         return ", ".join(obj.queues) or "all"
 
-    def changeform_view(self, request, *args, **kwargs):
-        try:
-            return super().changeform_view(request, *args, **kwargs)
-        except StorageUnavailable as exc:  # from save_model: the form's transaction saved nothing
-            self.message_user(request, f"The queue was not saved: {exc.message}", messages.ERROR)
-            return HttpResponseRedirect(request.get_full_path())
-
     def save_model(self, request, obj, form, change):
         if not change:
             raw = obj.set_new_value()

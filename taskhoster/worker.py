@@ -54,7 +54,7 @@ class Worker:
             raise ValueError(f"on_error must be one of {', '.join(ON_ERROR)}, not {on_error!r}")
         if not 0 < retry_base <= retry_cap <= MAX_RETRY_DELAY_SECONDS:
             raise ValueError(f"retry_base and retry_cap must be seconds with 0 < retry_base <= retry_cap <= "
-                                  f"{MAX_RETRY_DELAY_SECONDS}")
+                             f"{MAX_RETRY_DELAY_SECONDS}")
         if grace < 0:
             raise ValueError("grace must be 0 or more seconds")
         self.url, self._token = server_settings(url, token)

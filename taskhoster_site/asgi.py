@@ -29,6 +29,7 @@ from queues.dashboard.consumers import LIVE_PATH, DashboardConsumer  # noqa: E40
 from queues.serving.bodies import LimitedBodies  # noqa: E402
 from queues.serving.stopping import AnswerWhenCut  # noqa: E402
 
+
 class RefusedSocket(WebsocketDenier):
     channel_layer_alias = None  # refusing takes no channel: with Redis down it would be a 500
 
