@@ -24,6 +24,27 @@ async def post(api, token) -> str:
     return answer.json()["id"]
 
 
+def request_that_leaves(token: str, method: str, path: str, *, query: bytes = b"", body: bytes = b""):
+    """A request straight to the ASGI app whose client goes away once `left` is set: the task
+    answering it, `left`, and the messages it was sent."""
+    left, sent = asyncio.Event(), []
+    requests = iter([{"type": "http.request", "body": body, "more_body": False}])
+
+    async def receive():
+        try:
+            return next(requests)
+        except StopIteration:
+            await left.wait()
+            return {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": method, "path": path, "query_string": query,
+             "headers": [(b"authorization", f"Bearer {token}".encode())]}
+    return asyncio.create_task(application(scope, receive, send)), left, sent
+
+
 async def hand_in(api, token, item_id, result):
     return await api.post(f"/api/queues/jobs/items/{item_id}/result", json={"result": result}, headers=bearer(token))
 
@@ -157,29 +178,8 @@ async def test_a_claim_whose_client_left_hands_its_items_back(api, queues, token
     that hands an item out once only, it is not spent."""
     await asyncio.to_thread(save_queue, "jobs", max_attempts=1)
     get_registry().invalidate()
-    body = json.dumps({"wait": 5}).encode()
-    left = asyncio.Event()
-    sent = []
-    requests = iter([{"type": "http.request", "body": body, "more_body": False}])
-
-    async def receive():
-        try:
-            return next(requests)
-        except StopIteration:
-            await left.wait()
-            return {"type": "http.disconnect"}
-
-    async def send(message):
-        sent.append(message)
-
-    scope = {
-        "type": "http",
-        "method": "POST",
-        "path": "/api/queues/jobs/claim",
-        "query_string": b"",
-        "headers": [(b"authorization", f"Bearer {tokens['all']}".encode())],
-    }
-    claiming = asyncio.create_task(application(scope, receive, send))
+    claiming, left, sent = request_that_leaves(tokens["all"], "POST", "/api/queues/jobs/claim",
+                                               body=json.dumps({"wait": 5}).encode())
     await asyncio.sleep(0.2)  # waiting for an item
     left.set()
     await asyncio.sleep(0.05)
@@ -209,27 +209,7 @@ async def test_a_reader_who_left_a_waiting_read_never_counts_as_the_fetch(api, q
     await asyncio.to_thread(save_queue, "jobs", retain_from="fetched", retain_seconds=0)
     get_registry().invalidate()
     item_id = await post(api, tokens["all"])
-    left = asyncio.Event()
-    requests = iter([{"type": "http.request", "body": b"", "more_body": False}])
-
-    async def receive():
-        try:
-            return next(requests)
-        except StopIteration:
-            await left.wait()
-            return {"type": "http.disconnect"}
-
-    async def send(message):
-        pass
-
-    scope = {
-        "type": "http",
-        "method": "GET",
-        "path": f"/api/queues/jobs/items/{item_id}",
-        "query_string": b"wait=10",
-        "headers": [(b"authorization", f"Bearer {tokens['all']}".encode())],
-    }
-    reading = asyncio.create_task(application(scope, receive, send))
+    reading, left, _ = request_that_leaves(tokens["all"], "GET", f"/api/queues/jobs/items/{item_id}", query=b"wait=10")
     await asyncio.sleep(0.2)  # waiting for the item to end
     left.set()
     await asyncio.sleep(0.05)
