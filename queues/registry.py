@@ -9,6 +9,7 @@ import logging
 import threading
 import time
 from concurrent.futures import Executor
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from django.db import DatabaseError, close_old_connections, connection
@@ -52,6 +53,20 @@ class TokenGrant:
         return allowed and self.may_see(queue)
 
 
+@contextmanager
+def _not_waiting_for_other_writers():
+    if connection.vendor != "sqlite":  # PostgreSQL locks the rows written, not the database
+        yield
+        return
+    with connection.cursor() as cursor:
+        cursor.execute("PRAGMA busy_timeout = 0")
+    try:
+        yield
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute(f"PRAGMA busy_timeout = {int(connection.settings_dict['OPTIONS'].get('timeout', 5) * 1000)}")
+
+
 class Registry:
     def __init__(self, database_thread: Executor, *, max_age: float = MAX_AGE_SECONDS):
         self.max_age = max_age
@@ -74,12 +89,9 @@ class Registry:
         return time.monotonic() - self._loaded_at
 
     def load(self) -> None:
-        """Read every queue and token (and record which tokens were used since last time)."""
+        """Read every queue and token, then record which tokens were used since last time."""
         close_old_connections()
         try:
-            used, self._used = self._used, set()
-            if used:
-                ApiToken.objects.filter(id__in=used).update(last_used_at=timezone.now())
             read_at = time.monotonic()  # how old what is read now is: from here
             queues = {q.name: q.config() for q in Queue.objects.all()}
             tokens = {
@@ -88,12 +100,26 @@ class Registry:
                 )
                 for t in ApiToken.objects.all()
             }
+            with self._lock:
+                self._queues, self._tokens = queues, tokens
+                self._loaded_at = read_at
+                self._loaded_once = True
+            self._record_use()
         finally:
             close_old_connections()
-        with self._lock:
-            self._queues, self._tokens = queues, tokens
-            self._loaded_at = read_at
-            self._loaded_once = True
+
+    def _record_use(self) -> None:
+        """Write the tokens' last use, if the database takes it at once: one busy with another
+        writer (SQLite has one at a time, an admin deleting a big queue holds it for long) is not
+        waited for, or every reload behind this one would wait too; the next reload tries again."""
+        used, self._used = self._used, set()
+        if not used:
+            return
+        try:
+            with _not_waiting_for_other_writers():
+                ApiToken.objects.filter(id__in=used).update(last_used_at=timezone.now())
+        except DatabaseError:
+            self._used |= used
 
     def _load_or_keep(self) -> None:
         """Reload; when the database fails after a first good load, keep serving what was loaded

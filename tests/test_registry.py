@@ -8,6 +8,8 @@ import time
 
 import pytest
 from asgiref.sync import sync_to_async
+from django.db import OperationalError
+from django.db.models import QuerySet
 
 from queues import registry as registry_module
 from queues.models import ApiToken
@@ -185,3 +187,25 @@ async def test_a_database_call_that_raises_stopiteration_fails_its_caller_rather
     await asyncio.wait_for(registry.arefresh(), 10)
     assert not registry.stale
     assert await asyncio.wait_for(registry.aping_database(), 10) is True
+
+
+def test_a_database_busy_with_another_writer_never_holds_a_reload_back(monkeypatch):
+    """The tokens' last use is written after the reload is served, and only if the database takes
+    it at once; the tokens wait for the next reload."""
+    raw = make_token("busy")
+    registry = Registry(ThreadPoolExecutor(1))
+    registry.load()
+    assert registry.authenticate(raw) is not None  # used since the load
+    save_queue("made-meanwhile")
+    real_update = QuerySet.update
+
+    def locked(queryset, **fields):
+        raise OperationalError("database is locked")
+
+    monkeypatch.setattr(QuerySet, "update", locked)
+    registry.load()
+    assert registry.queue("made-meanwhile") is not None
+    assert ApiToken.objects.get(name="busy").last_used_at is None
+    monkeypatch.setattr(QuerySet, "update", real_update)
+    registry.load()
+    assert ApiToken.objects.get(name="busy").last_used_at is not None
