@@ -10,6 +10,7 @@ frame closes the socket: any error, expected or not, is answered with an error f
 import asyncio
 import json
 import logging
+import re
 import time
 from functools import partial
 from urllib.parse import parse_qs
@@ -82,6 +83,26 @@ def _closing_reason() -> str:
     """Why a socket's items go back: "shutdown" (its try not counted) only while this process's
     server stops, whether it closed the socket (uvicorn, code 1012) or cancelled it (daphne)."""
     return "shutdown" if server_stopping.is_set() else "socket"
+
+
+# a ref as the first or last field of a frame, as clients put it: found without reading the rest
+_REF_VALUE = r'("(?:[^"\\]|\\.){0,64}"|-?\d{1,19})'
+_REF_FIRST = re.compile(r'^\s*\{\s*"ref"\s*:\s*' + _REF_VALUE + r'\s*[,}]')
+_REF_LAST = re.compile(r'[{,]\s*"ref"\s*:\s*' + _REF_VALUE + r'\s*\}\s*$')
+REF_LOOK_CHARS = 128
+
+
+def ref_of_unread(data: str | bytes):
+    """The ref of a frame too large to be read, so its answer still names it: looked for in its
+    head and its tail only (None if it is not there)."""
+    for part, pattern in ((data[:REF_LOOK_CHARS], _REF_FIRST), (data[-REF_LOOK_CHARS:], _REF_LAST)):
+        text = part if isinstance(part, str) else part.decode("utf-8", "replace")
+        if found := pattern.search(text):
+            try:
+                return json.loads(found.group(1))
+            except ValueError:
+                return None
+    return None
 
 
 def frame_too_large(size: int) -> PayloadTooLarge:
@@ -186,7 +207,7 @@ class WorkConsumer(AsyncWebsocketConsumer):
             return  # refused; the close is on its way
         data = text_data if text_data is not None else bytes_data
         if len(data) > settings.TASKHOSTER_MAX_BODY_BYTES:  # refused unread: it takes no share of the budget
-            await self.answer_error(None, frame_too_large(len(data)))
+            await self.answer_error(ref_of_unread(data), frame_too_large(len(data)))
             return
         await receiving.wait_for_room(len(data), limit=BODIES_AT_ONCE * settings.TASKHOSTER_MAX_BODY_BYTES)
         ref = None
@@ -199,6 +220,8 @@ class WorkConsumer(AsyncWebsocketConsumer):
             json_object(frame, allowed=FIELDS[op], what="the frame")
             await getattr(self, f"handle_{op}")(frame, ref)
         except Exception as exc:
+            if ref is None and isinstance(exc, PayloadTooLarge):  # too large to be parsed
+                ref = ref_of_unread(data)
             await self.answer_error(ref, exc)
         finally:
             receiving.give_back(len(data))

@@ -306,11 +306,16 @@ async def test_a_token_deleted_while_connected_may_do_nothing_more(token):
     assert answer["code"] == "forbidden"
 
 
-async def test_frames_over_the_body_limit_are_too_large(token, settings):
+async def test_frames_over_the_body_limit_are_too_large_and_answered_by_their_ref(token, settings):
+    """Not read, the frame's ref is still found where clients put it: first or last."""
     settings.TASKHOSTER_MAX_BODY_BYTES = 1000
     async with connected(token) as ws:
         answer = await ask(ws, {"op": "claim", "queue": "jobs", "pad": "x" * 1000, "ref": 1})
-        assert (answer["code"], answer["ref"]) == ("payload_too_large", None)
+        assert (answer["code"], answer["ref"]) == ("payload_too_large", 1)
+        answer = await ask(ws, '{"ref": "first", "op": "claim", "pad": "' + "é" * 600 + '"}')  # over in bytes only
+        assert (answer["code"], answer["ref"]) == ("payload_too_large", "first")
+        answer = await ask(ws, {"op": "claim", "queue": "jobs", "pad": {"ref": 2, "more": "x" * 1000}})
+        assert (answer["code"], answer["ref"]) == ("payload_too_large", None)  # a ref inside is not the frame's
         assert (await ask(ws, {"op": "claim", "queue": "jobs"}))["op"] == "items"
 
 
