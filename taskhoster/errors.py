@@ -9,8 +9,14 @@ class TaskhosterError(Exception):
 class ConnectionFailed(TaskhosterError):
     """The server could not be reached (refused, timed out, name not resolved, TLS refused), or the
     connection failed before its answer came; the message says whether a POST may have been
-    carried out (it is sent again only by a Producer with `post_retries`, under an idempotency
-    key)."""
+    carried out, and so does `maybe_done` (it is sent again only by a Producer with
+    `post_retries`, under an idempotency key: then `keys` holds the post's keys, to post again
+    with and learn what became of it)."""
+
+    def __init__(self, message: str, *, maybe_done: bool = False, keys: list[str] | None = None):
+        super().__init__(message)
+        self.maybe_done = maybe_done
+        self.keys = keys
 
 
 class ApiError(TaskhosterError):

@@ -13,7 +13,7 @@ from typing import Any
 from urllib.parse import quote
 
 from .config import server_settings
-from .errors import ApiError, ConnectionFailed, ItemFailed, ResultTimeout, TaskhosterError, api_error
+from .errors import PASSING_CODES, ApiError, ConnectionFailed, ItemFailed, ResultTimeout, TaskhosterError, api_error
 from .pools import AsyncConnections, Connections
 from .wire import Answer, Endpoint
 
@@ -92,8 +92,9 @@ def _new_key() -> str:
     return secrets.token_urlsafe(18)
 
 
-def _batch_bodies(payloads: list[Any], when: bytes, keys: list[str | None]) -> Iterator[bytes]:
-    """Bodies of `{"items": [...]}` posts, each at most 1000 items and about 8 MiB. Every payload
+def _batch_bodies(payloads: list[Any], when: bytes, keys: list[str | None]) -> Iterator[tuple[bytes, list[str | None]]]:
+    """Bodies of `{"items": [...]}` posts, each at most 1000 items and about 8 MiB, with their
+    items' keys. Every payload
     is encoded before the first body is made, so a payload that is not JSON fails before anything
     is sent."""
     encoded = [_item_body(payload, when, key) for payload, key in zip(payloads, keys)]
@@ -105,7 +106,7 @@ def _batch_bodies(payloads: list[Any], when: bytes, keys: list[str | None]) -> I
                 break
             size += len(encoded[end]) + 1
             end += 1
-        yield b'{"items":[' + b",".join(encoded[start:end]) + b"]}"
+        yield b'{"items":[' + b",".join(encoded[start:end]) + b"]}", keys[start:end]
         start = end
 
 
@@ -113,6 +114,35 @@ def _check_retries(post_retries: int) -> int:
     if isinstance(post_retries, bool) or not isinstance(post_retries, int) or post_retries < 0:
         raise ValueError(f"post_retries must be a whole number, 0 or more, not {post_retries!r}")
     return post_retries
+
+
+class _PostTries:
+    """The tries of one post under `post_retries`: sent again after a failed transport or a
+    server that sheds load for now (503), under the same keys."""
+
+    def __init__(self, retries: int, keys: list[str | None]):
+        self.left, self.keys = retries, keys
+        self.retry = 0
+        self.maybe_done: ConnectionFailed | None = None  # a try the server may have carried out
+
+    def pause_after(self, exc: TaskhosterError) -> float:
+        """How long to wait before the next try; raises when there is none. Once a try may have
+        been carried out, giving up says so, whatever the last try met, with the keys to post
+        again with."""
+        again = isinstance(exc, ConnectionFailed) or (isinstance(exc, ApiError) and exc.code in PASSING_CODES)
+        if isinstance(exc, ConnectionFailed) and exc.maybe_done:
+            self.maybe_done = exc
+        if not again or not self.left:
+            if self.maybe_done is not None and again and self.maybe_done is not exc:
+                raise ConnectionFailed(f"{self.maybe_done} (a try may have been carried out; the last one met: {exc}); "
+                                       "post again with the same keys to learn what became of it",
+                                       maybe_done=True, keys=self.keys) from exc
+            if isinstance(exc, ConnectionFailed) and exc.maybe_done and all(self.keys):
+                exc.keys = self.keys
+            raise exc
+        self.left -= 1
+        self.retry += 1
+        return _retry_pause(self.retry - 1)
 
 
 def _retry_pause(retry: int) -> float:
@@ -187,10 +217,13 @@ class Producer:
     its connections open between calls. Use it as a context manager, or call close().
 
     `post_retries`: how many times a post that failed in transport (the connection failed, or
-    the answer never came) is sent again, after about 0.2 s, 0.4 s, ... (at most 5 s). Every post
+    the answer never came) or that the server could not take for now (503 `busy`,
+    `storage_unavailable`) is sent again, after about 0.2 s, 0.4 s, ... (at most 5 s). Every post
     then carries an idempotency key, one made for it where none is given, so a post the server did
     store is answered with that item the second time, never made twice. (A keyed post costs the
-    server one more link and directory flush.)"""
+    server one more link and directory flush.) When the tries run out after one that may have
+    been carried out, ConnectionFailed says so, whatever the last try met, and its `keys` are the
+    keys to post again with."""
 
     def __init__(self, url: str | None = None, token: str | None = None, *, timeout: float = 30.0,
                  post_retries: int = 0):
@@ -202,14 +235,13 @@ class Producer:
     def _call(self, method: str, target: str, body: bytes | None = None, wait: float = 0) -> Any:
         return _read(self._http.call(method, target, body, self._timeout + wait), self.url + target)
 
-    def _post(self, queue: str, body: bytes) -> Any:
-        for retry in range(self._post_retries + 1):
+    def _post(self, queue: str, body: bytes, keys: list[str | None]) -> Any:
+        tries = _PostTries(self._post_retries, keys)
+        while True:
             try:
                 return self._call("POST", _items_path(queue), body)
-            except ConnectionFailed:
-                if retry == self._post_retries:
-                    raise
-            time.sleep(_retry_pause(retry))
+            except TaskhosterError as exc:
+                time.sleep(tries.pause_after(exc))
 
     def post(self, queue: str, payload: Any, *, delay: Delay = None, run_at: RunAt = None,
              key: str | None = None) -> dict:
@@ -220,7 +252,7 @@ class Producer:
         and returns that item as it is now; with another payload it raises ApiError
         `key_conflict`."""
         [key] = _keys_for(1, [key], self._post_retries > 0)
-        return self._post(queue, _item_body(payload, _when(delay, run_at), key))
+        return self._post(queue, _item_body(payload, _when(delay, run_at), key), [key])
 
     def post_many(self, queue: str, payloads: Iterable[Any], *, delay: Delay = None,
                   run_at: RunAt = None, keys: Iterable[str | None] | None = None) -> list[dict]:
@@ -232,9 +264,9 @@ class Producer:
         payloads = list(payloads)
         keys = _keys_for(len(payloads), keys, self._post_retries > 0)
         posted: list[dict] = []
-        for body in _batch_bodies(payloads, _when(delay, run_at), keys):
+        for body, batch_keys in _batch_bodies(payloads, _when(delay, run_at), keys):
             try:
-                answer = self._post(queue, body)
+                answer = self._post(queue, body, batch_keys)
             except TaskhosterError as exc:
                 _note_posted(exc, posted)
                 raise
@@ -312,28 +344,27 @@ class AsyncProducer:
     async def _call(self, method: str, target: str, body: bytes | None = None, wait: float = 0) -> Any:
         return _read(await self._http.call(method, target, body, self._timeout + wait), self.url + target)
 
-    async def _post(self, queue: str, body: bytes) -> Any:
-        for retry in range(self._post_retries + 1):
+    async def _post(self, queue: str, body: bytes, keys: list[str | None]) -> Any:
+        tries = _PostTries(self._post_retries, keys)
+        while True:
             try:
                 return await self._call("POST", _items_path(queue), body)
-            except ConnectionFailed:
-                if retry == self._post_retries:
-                    raise
-            await asyncio.sleep(_retry_pause(retry))
+            except TaskhosterError as exc:
+                await asyncio.sleep(tries.pause_after(exc))
 
     async def post(self, queue: str, payload: Any, *, delay: Delay = None, run_at: RunAt = None,
                    key: str | None = None) -> dict:
         [key] = _keys_for(1, [key], self._post_retries > 0)
-        return await self._post(queue, _item_body(payload, _when(delay, run_at), key))
+        return await self._post(queue, _item_body(payload, _when(delay, run_at), key), [key])
 
     async def post_many(self, queue: str, payloads: Iterable[Any], *, delay: Delay = None,
                         run_at: RunAt = None, keys: Iterable[str | None] | None = None) -> list[dict]:
         payloads = list(payloads)
         keys = _keys_for(len(payloads), keys, self._post_retries > 0)
         posted: list[dict] = []
-        for body in _batch_bodies(payloads, _when(delay, run_at), keys):
+        for body, batch_keys in _batch_bodies(payloads, _when(delay, run_at), keys):
             try:
-                answer = await self._post(queue, body)
+                answer = await self._post(queue, body, batch_keys)
             except TaskhosterError as exc:
                 _note_posted(exc, posted)
                 raise

@@ -126,6 +126,47 @@ def test_a_post_retried_until_its_retries_run_out_raises(live):
     assert len({answer["id"] for answer in lost}) == 1  # three sends, one item
 
 
+def test_a_post_whose_answer_was_lost_and_then_refused_for_now_says_it_may_be_done_and_gives_its_key(live, producer):
+    """The first try reached the server, its answer did not come back; the server then sheds load
+    (503 busy) until the tries run out: the error must not say "nothing changed"."""
+    lost, posts = [], []
+
+    def forward(request):
+        posts.append(request)
+        if len(posts) == 1:
+            lost.append(httpx.post(live.url + request.target, content=request.body,
+                                   headers={"Authorization": request.headers["authorization"],
+                                            "Content-Type": "application/json"}).json())
+            return None
+        return Reply(503, {"error": "busy", "message": "the server is stopping"})
+
+    with StubServer(forward) as network, Producer(network.url, live.token, post_retries=2) as retrying:
+        with pytest.raises(ConnectionFailed) as failed:
+            retrying.post("lossy", {"n": 5})
+    assert len(posts) == 3 and failed.value.maybe_done
+    assert "may have been carried out" in str(failed.value) and "busy" in str(failed.value)
+    [key] = failed.value.keys
+    again = producer.post("lossy", {"n": 5}, key=key)
+    assert again["id"] == lost[0]["id"]  # the one item the first try made
+
+
+def test_a_post_the_server_refuses_for_now_is_sent_again_within_post_retries(live, producer):
+    posts = []
+
+    def forward(request):
+        posts.append(request)
+        if len(posts) == 1:
+            return Reply(503, {"error": "storage_unavailable", "message": "the disk is full"})
+        answer = httpx.post(live.url + request.target, content=request.body,
+                            headers={"Authorization": request.headers["authorization"],
+                                     "Content-Type": "application/json"})
+        return Reply(answer.status_code, answer.json())
+
+    with StubServer(forward) as network, Producer(network.url, live.token, post_retries=1) as retrying:
+        item = retrying.post("lossy", {"n": 6})
+    assert len(posts) == 2 and producer.get("lossy", item["id"])["status"] == "pending"
+
+
 def test_the_cli_posts_with_a_key(live, producer):
     def post(*args, stdin=""):
         return subprocess.run([sys.executable, "-m", "taskhoster.cli", "post", "cli-keyed", *args], input=stdin,
