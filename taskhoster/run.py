@@ -163,6 +163,10 @@ class Run:
                 value, exc = await self._handler(job.payload, job), None
             except (Exception, SystemExit) as error:
                 value, exc = None, error
+            except asyncio.CancelledError as error:
+                if asyncio.current_task().cancelling():
+                    raise  # this task was cancelled: the run stops, or the item was canceled
+                value, exc = None, error  # the handler's own: something it awaited was cancelled
             give_back = self._keep_outcome(job, value, exc)
             if give_back is not None:
                 await self._send_back(job, give_back)

@@ -227,6 +227,22 @@ def test_a_handler_error_whose_message_cannot_be_made_is_an_error_result_too(liv
     assert "RuntimeError" in bad["error"]["message"]
 
 
+def test_an_async_handler_whose_own_await_was_cancelled_gives_an_error_result(live, producer):
+    """Something the handler awaited was cancelled elsewhere in the program: its CancelledError is
+    the handler's failure, not the worker's stop, and the item must not wait for its lease."""
+    async def handle(payload, job):
+        if payload == "cancelled":
+            elsewhere = asyncio.get_running_loop().create_future()
+            elsewhere.cancel()
+            await elsewhere
+        return payload
+
+    items = producer.post_many("errors", ["cancelled", "fine"])
+    with working(Worker(live.url, live.token, queues=["errors"]), handle):
+        cancelled, fine = [producer.result("errors", item["id"], timeout=20) for item in items]
+    assert (cancelled["error"]["type"], fine) == ("CancelledError", "fine")
+
+
 def test_a_result_that_is_not_json_becomes_an_error_result(live, producer):
     item = producer.post("errors", "x")
     with working(Worker(live.url, live.token, queues=["errors"]), lambda payload, job: {1, 2}):
