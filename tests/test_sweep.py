@@ -1,16 +1,20 @@
 """The Sweeper, driven directly with the injected clock."""
 
 import os
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import replace
 
 import pytest
 
+from queues.bench.servers import Deployment
 from queues.store import NewItem, QueueConfig, Store
 from queues.store.sweep import ID_CLOCK_MARGIN_SECONDS, STALE_SECONDS
 from queues.sweep import Sweeper
 from store_support import first_listing_done
+from serverproc import PROJECT_DIR, postgres_database
 from storekit import finish, post_batch, release
 
 QUIET = {"promoted": 0, "repaired": 0, "failed": 0, "requeued": 0, "deleted": 0, "tmpRemoved": 0}
@@ -236,3 +240,30 @@ def test_retention_is_on_time_for_an_item_whose_id_ran_ahead_of_the_clock(store,
     assert sweeper.sweep_once() == {}
     clock.advance(1)
     assert sweeper.sweep_once() == {"jobs": {**QUIET, "deleted": 1}}
+
+
+def test_the_sweep_loop_carries_on_once_the_database_dropped_its_connection(tmp_path):
+    """A database restart ends the standalone sweeper's connection: the next passes must open a
+    new one, and fail an aged item as before."""
+    import psycopg
+
+    with postgres_database() as database_url:
+        deployment = Deployment(tmp_path, database_url=database_url, extra_env={"TASKHOSTER_SWEEP_INTERVAL": "0.2"})
+        deployment.migrate()
+        deployment.create_queue("aging", "--queue-seconds", "1")
+        sweeper = subprocess.Popen([sys.executable, str(PROJECT_DIR / "manage.py"), "sweep"], cwd=PROJECT_DIR,
+                                   env=deployment.environ(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        try:
+            time.sleep(1.5)  # a few passes, on its connection
+            with psycopg.connect(database_url, autocommit=True) as admin:  # every connection but this one
+                admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                              "WHERE datname = current_database() AND pid <> pg_backend_pid()")
+            store = Store(deployment.data_dir, fsync=False)
+            [item] = post_batch(store, "aging", ["old soon"])
+            deadline = time.monotonic() + 30
+            while store.read_item(queue="aging", item_id=item.id).status != "failed":
+                assert sweeper.poll() is None and time.monotonic() < deadline, "the sweep never came back"
+                time.sleep(0.1)
+        finally:
+            sweeper.terminate()
+            sweeper.communicate(timeout=30)

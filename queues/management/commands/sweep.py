@@ -4,6 +4,7 @@ import threading
 
 from django.conf import settings
 from django.core.management.base import BaseCommand
+from django.db import close_old_connections
 
 from queues.models import Queue
 from queues.runtime import get_registry, get_store
@@ -11,7 +12,12 @@ from queues.sweep import PROMOTE_SECONDS, Promoter, Sweeper
 
 
 def queue_configs():
-    return [queue.config() for queue in Queue.objects.all()]
+    # a connection the database dropped (a restart, say) is replaced, not failed on for good
+    close_old_connections()
+    try:
+        return [queue.config() for queue in Queue.objects.all()]
+    finally:
+        close_old_connections()
 
 
 def cached_queue_configs():
