@@ -169,8 +169,9 @@ class WorkConsumer(AsyncWebsocketConsumer):
             await self.let_go(reason=_closing_reason())  # daphne cancels every socket when it stops
             raise
         finally:
-            # also when a handler failed, which skips disconnect()
-            await self.let_go(reason="socket")
+            # also when a handler failed, which skips disconnect(); and when a stopping server
+            # cancelled this socket again, after the grace: its try is not counted then either
+            await self.let_go(reason=_closing_reason())
 
     async def disconnect(self, code):
         await self.let_go(reason=_closing_reason())

@@ -101,19 +101,43 @@ def _in_store_thread(call, /, **kwargs) -> asyncio.Future:
 
 def _claim(claim_items, /, *, max_items: int = 1, **kwargs) -> asyncio.Future:
     """A claim's first items on the loop, the rest (if it found all it took there) in the store's
-    threads; a failure there ends the claim with what it had, as within one claim."""
+    threads; a failure there ends the claim with what it had, as within one claim. Chained by
+    callbacks, not a task: a stopping server cancels the tasks it leaves, and a claim cut there
+    would hold the items it took for nobody."""
     first = turn.on_loop(claim_items, max_items=min(max_items, ITEMS_ON_LOOP), **kwargs)
     if max_items <= ITEMS_ON_LOOP:
         return first
-    return asyncio.ensure_future(_claim_more(first, claim_items, max_items=max_items, **kwargs))
+    whole = asyncio.get_running_loop().create_future()
+
+    def took_first(done: asyncio.Future) -> None:
+        if done.cancelled() or done.exception() is not None or len(done.result()) < ITEMS_ON_LOOP:
+            _settle_as(whole, done)
+            return
+        items = done.result()
+        more = _in_store_thread(claim_items, max_items=max_items - len(items), **kwargs)
+        more.add_done_callback(lambda more: took_more(items, more))
+
+    def took_more(items: list, more: asyncio.Future) -> None:
+        if not more.cancelled() and isinstance(more.exception(), StorageUnavailable):
+            log.warning("a claim stopped early", exc_info=more.exception())
+            if not whole.done():
+                whole.set_result(items)
+        elif more.cancelled() or more.exception() is not None:
+            _settle_as(whole, more)
+        elif not whole.done():
+            whole.set_result(items + more.result())
+
+    first.add_done_callback(took_first)
+    return whole
 
 
-async def _claim_more(first: asyncio.Future, claim_items, /, *, max_items: int, **kwargs) -> list:
-    items = await first
-    if len(items) < ITEMS_ON_LOOP:
-        return items
-    try:
-        return items + await _in_store_thread(claim_items, max_items=max_items - len(items), **kwargs)
-    except StorageUnavailable:
-        log.warning("a claim stopped early", exc_info=True)
-        return items
+def _settle_as(future: asyncio.Future, done: asyncio.Future) -> None:
+    """End `future` as `done` ended, unless it has ended already."""
+    if future.done():
+        return
+    if done.cancelled():
+        future.cancel()
+    elif done.exception() is not None:
+        future.set_exception(done.exception())
+    else:
+        future.set_result(done.result())

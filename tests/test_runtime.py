@@ -45,6 +45,20 @@ async def test_a_big_claim_is_one_claim_of_the_oldest_items(tmp_path):
     assert where == [(True, runtime.ITEMS_ON_LOOP), (False, 20 - runtime.ITEMS_ON_LOOP)]
 
 
+async def test_a_big_claim_ends_with_its_items_though_a_stopping_server_cancels_every_task(tmp_path):
+    """A stopping server cancels the tasks it leaves (finish_leftover_tasks): a claim cut there
+    would have taken items for nobody, holding them till their lease lapsed."""
+    claim_items, where = _watched_claims(_store_with_items(tmp_path, 30))
+
+    claiming = run(claim_items, config=QueueConfig(name=Q), max_items=20)
+    for task in asyncio.all_tasks():
+        if task is not asyncio.current_task():
+            task.cancel()
+    claimed = await claiming
+
+    assert [item.payload for item in claimed] == list(range(20))
+
+
 async def test_a_claim_that_finds_few_items_never_leaves_the_loop(tmp_path):
     claim_items, where = _watched_claims(_store_with_items(tmp_path, 3))
 

@@ -878,6 +878,25 @@ async def test_a_server_that_stops_gives_items_back_without_counting_the_try(one
     assert status("jobs", item_id) == "pending"
 
 
+async def test_a_socket_ended_by_a_fault_while_the_server_stops_gives_back_without_counting_the_try(
+        one_try, token, server_stopping, monkeypatch):
+    """The socket's last clean-up (a handler that failed, or a second cancel after the grace)
+    tells a stop from a worker's close as its first does."""
+    [item_id] = post("jobs", 1)
+    ws = WebsocketCommunicator(application, "/work", headers=auth(token))
+    await ws.connect()
+    await ask(ws, {"op": "claim", "queue": "jobs"})
+
+    async def broken(consumer, text_data=None, bytes_data=None):
+        raise RuntimeError("a fault while handling a frame")
+
+    monkeypatch.setattr(consumers.WorkConsumer, "receive", broken)
+    await ws.send_to(text_data="{}")
+    with pytest.raises(RuntimeError):
+        await ws.wait(timeout=TIMEOUT)
+    assert status("jobs", item_id) == "pending"
+
+
 @pytest.mark.parametrize("close", ["1012", "cancel"])
 async def test_a_socket_ended_so_while_the_server_runs_counts_the_try(one_try, token, close):
     """A worker may close with 1012 too: that is no way around maxAttempts."""
