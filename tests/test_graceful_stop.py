@@ -15,6 +15,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from websockets.sync.client import connect
 
+from lock_holder import item_locks_held_elsewhere
 from queues.store import Store
 from serverproc import MANAGE, PROJECT_DIR, Deployment
 
@@ -132,6 +133,29 @@ def test_a_second_signal_ends_the_grace_at_once(deployment):
         assert request.answer.status_code == 503  # cut, and told to try again
         assert request.answer.json()["error"] == "busy" and request.answer.headers["retry-after"] == "1"
     assert f"GET /api/queues/waiting/items/{waiting_id} 503 " in server.output()  # logged as answered
+
+
+def test_a_second_signal_while_the_stop_gives_back_what_sockets_hold_still_ends_in_exit_0(tmp_path):
+    """The socket's item cannot go back at once (another process holds its lock, as a slow disk
+    or a busy sweeper would): the second SIGTERM comes while the stopped server waits for it."""
+    deployment = Deployment(tmp_path, extra_env={"TASKHOSTER_STOP_GRACE_SECONDS": "0.5"})
+    deployment.prepare(queues=[])
+    deployment.create_queue("once", "--max-attempts", "1", "--lease-seconds", "300")
+    with deployment.server() as server:
+        held_id = post(server, deployment.token, "once")
+        with connect(server.ws_url, additional_headers={"Authorization": f"Bearer {deployment.token}"}) as worker:
+            worker.send(json.dumps({"op": "claim", "queue": "once"}))
+            assert [item["id"] for item in json.loads(worker.recv(timeout=WAIT))["items"]] == [held_id]
+            with item_locks_held_elsewhere(deployment.data_dir, "once") as let_go:
+                server.process.send_signal(signal.SIGTERM)
+                wait_until(lambda: refused(server.port), "the server still took connections after SIGTERM")
+                time.sleep(2)  # past the grace: the stopped server waits for the item's lock
+                server.process.send_signal(signal.SIGTERM)
+                time.sleep(0.5)
+                let_go()
+                assert server.process.wait(WAIT) == 0
+    item = Store(deployment.data_dir, fsync=False).read_item(queue="once", item_id=held_id)
+    assert (item.status, item.attempts) == ("pending", 1)
 
 
 @pytest.mark.parametrize("value", ["-1", "nan", "soon"])

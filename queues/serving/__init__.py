@@ -9,8 +9,10 @@ Both hold the limits of `limits`.
 """
 
 import importlib
+import signal
 import threading
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
+from contextlib import contextmanager
 
 from channels.layers import InMemoryChannelLayer, get_channel_layer
 from django.conf import settings
@@ -80,6 +82,20 @@ def background_tasks() -> Background:
     return [ChannelBridge(layer).run, RosterExchange(layer, roster).run]
 
 
+@contextmanager
+def _stop_signals_end_quietly() -> Iterator[None]:
+    """The servers take SIGINT and SIGTERM while they serve (uvicorn raises them again once
+    stopped, against the handlers it found, to die of them). Ignored outside that, until the
+    clean-up after a stop is over: a stop, and a second signal during its clean-up (which gives
+    back what sockets held), end in exit status 0."""
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def serve(*, host: str, port: int, ready: Ready, server: str = DEFAULT_SERVER) -> None:
     run = importlib.import_module(f"{__name__}.{SERVERS[server]}").run
     connections = max_connections(raise_descriptor_limit())
@@ -88,13 +104,15 @@ def serve(*, host: str, port: int, ready: Ready, server: str = DEFAULT_SERVER) -
     sweeping = start_sweeper(stop_sweeping)
     from taskhoster_site.asgi import application
 
-    try:
-        listening = run(
-            application, host=host, port=port, ready=ready, background=background_tasks(), max_connections=connections
-        )
-    finally:
-        stop_sweeping.set()
-        for thread in sweeping:
-            thread.join(SWEEP_STOP_SECONDS)
+    with _stop_signals_end_quietly():
+        try:
+            listening = run(
+                application, host=host, port=port, ready=ready, background=background_tasks(),
+                max_connections=connections,
+            )
+        finally:
+            stop_sweeping.set()
+            for thread in sweeping:
+                thread.join(SWEEP_STOP_SECONDS)
     if not listening:
         raise CommandError(f"cannot listen on {host}:{port}" + (f"; {busy_port_hint(port)}" if port else ""))

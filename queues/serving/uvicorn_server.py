@@ -2,9 +2,6 @@
 
 import asyncio
 import functools
-import signal
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
@@ -124,8 +121,7 @@ def run(
     async def main() -> bool:
         tasks = [asyncio.create_task(start()) for start in background]
         try:
-            with _stop_signals_end_quietly():
-                await server.serve()
+            await server.serve()
         except SystemExit:  # uvicorn's answer to an address it cannot bind (it logged why)
             return False
         finally:
@@ -149,15 +145,3 @@ def _new_event_loop() -> asyncio.AbstractEventLoop:
     except ImportError:
         return asyncio.new_event_loop()
     return uvloop.new_event_loop()
-
-
-@contextmanager
-def _stop_signals_end_quietly() -> Iterator[None]:
-    """uvicorn catches SIGINT and SIGTERM while it serves, and once stopped raises them again
-    against the handlers it found, to die of them. Ignored here, so a stop ends in exit status 0."""
-    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
