@@ -130,7 +130,6 @@ def run(
         websocket_timeout=-1,  # never close a worker's socket for its age
         websocket_max_message_size=max_frame_bytes(),
         websocket_max_frame_size=max_frame_bytes(),
-        ready_callable=lambda: ready(server.listening_addresses[0][1]),
     )
     tasks = []
 
@@ -147,6 +146,9 @@ def run(
     # background job of a script) would never stop on it, where uvicorn's does
     signal.signal(signal.SIGINT, signal.default_int_handler)
     reactor.callWhenRunning(start_background)
+    # once running, not when daphne would (before the reactor takes SIGINT and SIGTERM): a stop
+    # sent as soon as the banner shows must find the reactor's handlers
+    reactor.callWhenRunning(lambda: ready(server.listening_addresses[0][1]))
     # before daphne's own trigger, which cancels every socket
     reactor.addSystemEventTrigger("before", "shutdown", server_stopping.set)
     reactor.addSystemEventTrigger("before", "shutdown", stop_background)
