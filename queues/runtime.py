@@ -14,7 +14,6 @@ import asyncio
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from contextvars import ContextVar
 from functools import lru_cache
 
 from django.conf import settings
@@ -37,10 +36,6 @@ STORE_THREADS = 2  # one runs while the other waits for the disk; more would onl
 SCAN_THREADS = 2
 ITEMS_ON_LOOP = 8  # items a call may have to run on the event loop
 ITEM_LISTS = ("items", "results", "releases")  # the arguments that hold a call's items
-READS = frozenset({"read_item"})  # besides the scans: calls that change nothing a client asked for
-# set in a request's context once a store call that changes items began there: a request cut by a
-# stop must not be told "nothing was done, try again" then (a claim cut so gives its items back)
-change_begun: ContextVar[bool] = ContextVar("change_begun", default=False)
 SCANS = frozenset(
     {"count_items", "list_items", "throughput", "check_health", "sweep_queue", "take_snapshot", "count_queues"}
 )
@@ -82,14 +77,12 @@ def run(call, /, **kwargs) -> asyncio.Future:
     await (one on the loop has run up to its first wait by then; a call that blocks for long
     must be a scan, or have more than ITEMS_ON_LOOP items, or it holds the loop). Once started it
     runs to its end even if the future is cancelled meanwhile, so a transition is never left
-    half done; a change, so, is marked begun in the caller's context (`change_begun`)."""
+    half done."""
     name = getattr(call, "__name__", "")
     if name == "claim_items":
         return _claim(call, **kwargs)
     if name in SCANS:
         return in_thread(_scan_threads(), call, **kwargs)
-    if name not in READS:
-        change_begun.set(True)
     if max((len(kwargs[arg]) for arg in ITEM_LISTS if arg in kwargs), default=1) <= ITEMS_ON_LOOP:
         return turn.on_loop(call, **kwargs)
     return _in_store_thread(call, **kwargs)

@@ -6,7 +6,6 @@ import json
 import logging
 import subprocess
 import sys
-import threading
 
 import httpx
 import pytest
@@ -15,7 +14,6 @@ from channels.testing import WebsocketCommunicator
 from api_support import api, bearer, queues, tokens  # noqa: F401  (fixtures)
 from serverproc import MANAGE, PROJECT_DIR, Deployment
 from queues.access import AccessLog
-from queues.runtime import get_store
 from queues.serving.stopping import AnswerWhenCut
 from taskhoster_site.asgi import application
 from taskhoster_site.logs import JsonFormatter, TextFormatter, logging_config
@@ -189,46 +187,6 @@ async def test_a_request_cut_by_a_stop_is_answered_503_and_logged_with_it(api, q
     assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 503
     line = access()[-1]
     assert (line.fields["path"], line.fields["status"]) == (item_path, 503)
-
-
-@pytest.mark.django_db(transaction=True)
-async def test_a_result_cut_by_a_stop_after_it_began_is_not_told_to_try_again(api, queues, tokens):
-    """The result waits for its item's lock (a slow disk, a busy sweeper) when the stop cuts it:
-    it still goes in, so "busy, try again" would be untrue; the connection closes unanswered."""
-    posted = await api.post("/api/queues/jobs/items", json={"payload": 1}, headers=bearer(tokens["all"]))
-    item_id = posted.json()["id"]
-    await api.post("/api/queues/jobs/claim", json={}, headers=bearer(tokens["all"]))
-    store, holding, let_go = get_store(), threading.Event(), threading.Event()
-
-    def hold_the_items_lock():
-        with store._items.lock("jobs", item_id):
-            holding.set()
-            let_go.wait(10)
-
-    holder = threading.Thread(target=hold_the_items_lock)
-    holder.start()
-    holding.wait(10)
-    messages = iter([{"type": "http.request", "body": b'{"result": "done"}', "more_body": False}])
-
-    async def receive():
-        try:
-            return next(messages)
-        except StopIteration:
-            await asyncio.Event().wait()  # the client stays
-
-    scope = {**_http_scope(f"/api/queues/jobs/items/{item_id}/result", headers=bearer(tokens["all"])),
-             "method": "POST"}
-    try:
-        sent = await _cut(application, scope, receive)
-    finally:
-        let_go.set()
-        await asyncio.to_thread(holder.join)
-    assert sent == []
-    for _ in range(500):  # the result goes in once the lock is let go
-        if store.read_item(queue="jobs", item_id=item_id).status == "finished":
-            break
-        await asyncio.sleep(0.01)
-    assert store.read_item(queue="jobs", item_id=item_id).result == "done"
 
 
 async def test_a_request_whose_client_left_is_not_answered_when_cut_and_logged_so(access):

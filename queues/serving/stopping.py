@@ -1,15 +1,12 @@
 """What a request cut by a stop is answered: a server that stops cancels the requests still
 running when its grace ends (or at once, on a second signal). One that has not begun its answer
 gets 503 `busy` with Retry-After, which clients take as "try again", rather than the server's
-bare 500; unless it began a change of items (a post, a result), which goes on to its end: its
-connection is closed unanswered then, as a client must take a lost answer ("it may have been
-done"). One whose client has gone (daphne cancels those too) gets nothing: nobody would read it,
-and the access log says "no answer"."""
+bare 500. One whose client has gone (daphne cancels those too) gets nothing: nobody would read
+it, and the access log says "no answer"."""
 
 import asyncio
 import json
 
-from ..runtime import change_begun
 from .limits import BUSY_RETRY_SECONDS
 
 _STOPPING = json.dumps({"error": "busy", "message": "the server is stopping; try again"}).encode()
@@ -23,7 +20,6 @@ class AnswerWhenCut:
         if scope["type"] != "http":
             return await self.application(scope, receive, send)
         started = gone = False
-        change_begun.set(False)  # this request's own: a task may be made in a context that had one
 
         async def receiving():
             nonlocal gone
@@ -39,7 +35,7 @@ class AnswerWhenCut:
         try:
             await self.application(scope, receiving, sending)
         except asyncio.CancelledError:
-            if not started and not gone and not change_begun.get():
+            if not started and not gone:
                 await _answer_stopping(send)
             raise
 
