@@ -133,10 +133,10 @@ class _PostTries:
         if isinstance(exc, ConnectionFailed) and exc.maybe_done:
             self.maybe_done = exc
         if not again or not self.left:
-            if self.maybe_done is not None and again and self.maybe_done is not exc:
-                raise ConnectionFailed(f"{self.maybe_done} (a try may have been carried out; the last one met: {exc}); "
-                                       "post again with the same keys to learn what became of it",
-                                       maybe_done=True, keys=self.keys) from exc
+            if self.maybe_done is not None and self.maybe_done is not exc:
+                raise ConnectionFailed(f"an earlier try of this post may have been carried out ({self.maybe_done}), "
+                                       f"and the last one met: {exc}; post again with the same keys to learn what "
+                                       "became of it", maybe_done=True, keys=self.keys) from exc
             if isinstance(exc, ConnectionFailed) and exc.maybe_done and all(self.keys):
                 exc.keys = self.keys
             raise exc
