@@ -114,7 +114,12 @@ def _claim(claim_items, /, *, max_items: int = 1, **kwargs) -> asyncio.Future:
             _settle_as(whole, done)
             return
         items = done.result()
-        more = _in_store_thread(claim_items, max_items=max_items - len(items), **kwargs)
+        try:
+            more = _in_store_thread(claim_items, max_items=max_items - len(items), **kwargs)
+        except RuntimeError:  # the store's threads take no more (the process is ending)
+            log.warning("a claim stopped early", exc_info=True)
+            whole.set_result(items)
+            return
         more.add_done_callback(lambda more: took_more(items, more))
 
     def took_more(items: list, more: asyncio.Future) -> None:

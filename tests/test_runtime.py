@@ -59,6 +59,17 @@ async def test_a_big_claim_ends_with_its_items_though_a_stopping_server_cancels_
     assert [item.payload for item in claimed] == list(range(20))
 
 
+async def test_a_big_claim_whose_rest_cannot_start_ends_with_its_first_items(tmp_path, monkeypatch):
+    claim_items, _ = _watched_claims(_store_with_items(tmp_path, 30))
+
+    def shut_down(*args, **kwargs):
+        raise RuntimeError("cannot schedule new futures after shutdown")
+
+    monkeypatch.setattr(runtime, "_in_store_thread", shut_down)
+    claimed = await asyncio.wait_for(run(claim_items, config=QueueConfig(name=Q), max_items=20), 5)
+    assert [item.payload for item in claimed] == list(range(runtime.ITEMS_ON_LOOP))
+
+
 async def test_a_claim_that_finds_few_items_never_leaves_the_loop(tmp_path):
     claim_items, where = _watched_claims(_store_with_items(tmp_path, 3))
 
