@@ -135,13 +135,14 @@ def test_a_second_signal_ends_the_grace_at_once(deployment):
     assert f"GET /api/queues/waiting/items/{waiting_id} 503 " in server.output()  # logged as answered
 
 
-def test_a_second_signal_while_the_stop_gives_back_what_sockets_hold_still_ends_in_exit_0(tmp_path):
+@pytest.mark.parametrize("server", ["uvicorn", "daphne"])
+def test_a_second_signal_while_the_stop_gives_back_what_sockets_hold_still_ends_in_exit_0(tmp_path, server):
     """The socket's item cannot go back at once (another process holds its lock, as a slow disk
     or a busy sweeper would): the second SIGTERM comes while the stopped server waits for it."""
     deployment = Deployment(tmp_path, extra_env={"TASKHOSTER_STOP_GRACE_SECONDS": "0.5"})
     deployment.prepare(queues=[])
     deployment.create_queue("once", "--max-attempts", "1", "--lease-seconds", "300")
-    with deployment.server() as server:
+    with deployment.server(server=server) as server:
         held_id = post(server, deployment.token, "once")
         with connect(server.ws_url, additional_headers={"Authorization": f"Bearer {deployment.token}"}) as worker:
             worker.send(json.dumps({"op": "claim", "queue": "once"}))

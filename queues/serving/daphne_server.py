@@ -153,5 +153,8 @@ def run(
     reactor.addSystemEventTrigger("before", "shutdown", server_stopping.set)
     reactor.addSystemEventTrigger("before", "shutdown", stop_background)
     server.run()
+    # Twisted leaves its handlers in place, and they would call into the loop closed below
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     finish_leftover_tasks(daphne.server.twisted_loop)
     return bool(server.listening_addresses)
