@@ -3,7 +3,8 @@
 Each server process runs one `ChannelBridge`: one channel for the whole process (not one per
 socket), added to a group per queue. What the in-process hub is told (items available, with a
 count; items terminal, with their ids; items canceled, with their ids and the claims canceled) is
-published to the queue's group; what other processes publish is fed into this process's hub with `local_only=True`, and our own messages are ignored.
+published to the queue's group; what other processes publish is fed into this process's hub with
+`local_only=True`, and our own messages are ignored.
 Wake-ups are hints: a lost one costs a waiter at most its one-second re-check of the disk.
 """
 

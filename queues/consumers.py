@@ -106,9 +106,8 @@ def ref_of_unread(data: str | bytes):
 
 
 def frame_too_large(size: int) -> PayloadTooLarge:
-    return PayloadTooLarge(
-        f"the frame is {size} bytes or more; the limit is {settings.TASKHOSTER_MAX_BODY_BYTES} (TASKHOSTER_MAX_BODY_BYTES)"
-    )
+    limit = settings.TASKHOSTER_MAX_BODY_BYTES
+    return PayloadTooLarge(f"the frame is {size} bytes or more; the limit is {limit} (TASKHOSTER_MAX_BODY_BYTES)")
 
 
 def parse_frame(data: str | bytes) -> dict:

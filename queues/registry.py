@@ -63,8 +63,9 @@ def _not_waiting_for_other_writers():
     try:
         yield
     finally:
+        waits = connection.settings_dict["OPTIONS"].get("timeout", 5)  # seconds, as settings.py gives them
         with connection.cursor() as cursor:
-            cursor.execute(f"PRAGMA busy_timeout = {int(connection.settings_dict['OPTIONS'].get('timeout', 5) * 1000)}")
+            cursor.execute(f"PRAGMA busy_timeout = {int(waits * 1000)}")
 
 
 class Registry:

@@ -140,10 +140,11 @@ def failed(url: str, method: str, exc: BaseException, timeout: float) -> BaseExc
         return exc
     maybe = f" (the {method} may have been carried out; it is not sent again)" if method != "GET" else ""
     if isinstance(exc, TimeoutError):
-        return ConnectionFailed(f"{url} did not answer the {method} within {timeout:g} s{maybe}", maybe_done=bool(maybe))
+        return ConnectionFailed(f"{url} did not answer the {method} within {timeout:g} s{maybe}",
+                                maybe_done=bool(maybe))
     if isinstance(exc, Unanswered):
         maybe = "" if exc.unsent else maybe
         return ConnectionFailed(f"{url}: {exc}{maybe}", maybe_done=bool(maybe))
     if isinstance(exc, httptools.HttpParserError):
-        return ConnectionFailed(f"{url} did not answer in HTTP/1.1 ({exc})", maybe_done=method != "GET")
+        return ConnectionFailed(f"{url} did not answer in HTTP/1.1 ({exc}){maybe}", maybe_done=bool(maybe))
     return ConnectionFailed(f"the connection to {url} failed during the {method}: {exc}{maybe}", maybe_done=bool(maybe))
