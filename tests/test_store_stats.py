@@ -5,8 +5,9 @@ from dataclasses import replace
 import pytest
 
 from conftest import alongside
-from queues.store import NewItem
-from store_support import Q, post
+from queues import ids
+from queues.store import NewItem, stats
+from store_support import Q, files_in, post
 from storekit import finish
 
 
@@ -27,14 +28,57 @@ def test_count_items_counts_each_state(store, clock, config):
     assert counts.oldest_pending_posted_at is None
 
 
+STATES = ("scheduled", "pending", "processing", "done")
+
+
 def test_counts_leave_out_names_that_are_not_item_files_in_every_state(store, clock, config):
     (scheduled,) = [p.item.id for p in store.post_items(config=config, items=[NewItem(1, run_at=clock.now + 60)])]
     post(store, 2)
-    for state in ("scheduled", "pending", "processing", "done"):
-        for stray in ("notes.txt", ".hidden", "a-directory.json.tmp"):
+    for state in STATES:
+        for stray in ("notes.txt", ".hidden", "a-directory.json.tmp", "notes.json", f"{'0' * 36}.json"):
             (store.data_dir / Q / state / stray).write_text("")
     counts = store.count_items(queue=Q)
     assert (counts.scheduled, counts.pending, counts.processing, counts.finished) == (1, 1, 0, 0)
+    assert store.list_items(queue=Q, state="pending")[0] == 1
+
+
+@pytest.mark.parametrize("content", [b"", b"null", b"[1]", b'{"id": "trunc', b"\x00\xff"])
+def test_counts_and_listings_leave_out_files_that_are_not_items_and_quarantine_them(store, clock, config, content):
+    """Named as items, but not items: the count that meets them is a reader, and quarantines them."""
+    post(store, 1)
+    bad = ids.IdMaker().new_ids(4, clock.now)
+    for state, item_id in zip(STATES, bad):
+        (store.data_dir / Q / state / f"{item_id}.json").write_bytes(content)
+    counts = alongside(store, clock=clock).count_items(queue=Q)  # a process that never met them
+    assert (counts.scheduled, counts.pending, counts.processing, counts.finished, counts.failed) == (0, 1, 0, 0, 0)
+    assert sorted(files_in(store, "quarantine")) == sorted(f"{state}-{i}.json" for state, i in zip(STATES, bad))
+    for state in STATES:  # a listing of a state leaves them out of its total too
+        (store.data_dir / Q / state / f"{bad[0]}.json").write_bytes(content)
+        total, page = store.list_items(queue=Q, state=state)
+        assert (total, [item.status for item in page]) == ((1, ["pending"]) if state == "pending" else (0, []))
+
+
+def test_a_count_reads_each_item_file_once(store, clock, config, faults):
+    posted = post(store, *range(4))
+    finish(store, config, posted[0], 1)
+    clock.advance(config.queue_seconds + 1)
+    store.sweep_queue(config=replace(config, retain_seconds=86400))
+    faults.clear()
+    store.count_items(queue=Q)
+    assert {call for call, _ in faults.calls} - {"listdir"}  # it read the files it never met
+    faults.clear()
+    counts = store.count_items(queue=Q)
+    assert (counts.finished, counts.failed) == (1, 3)
+    assert {call for call, _ in faults.calls} == {"listdir"}
+
+
+def test_a_state_with_more_names_than_a_count_reads_is_counted_by_its_names(store, clock, config, faults, monkeypatch):
+    monkeypatch.setattr(stats, "MAX_READ_NAMES", 3)
+    post(store, *range(4))
+    (store.data_dir / Q / "pending" / f"{ids.IdMaker().new_ids(1, clock.now)[0]}.json").write_bytes(b"null")
+    faults.clear()
+    assert store.count_items(queue=Q).pending == 5
+    assert {call for call, _ in faults.calls} == {"listdir"}
 
 
 ERROR = {"error": {"type": "ValueError", "message": "no such image", "traceback": "Traceback ..."}}
@@ -59,17 +103,6 @@ def test_finished_items_with_an_error_result_are_counted_apart(store, clock, con
     store.sweep_queue(config=config)  # retention takes the mark with its item
     assert store.count_items(queue=Q).errors == 0
     assert not any((store.data_dir / Q / "errors").iterdir())
-
-
-def test_counts_read_no_item_file(store, clock, config, faults):
-    posted = post(store, *range(4))
-    finish(store, config, posted[0], 1)
-    clock.advance(config.queue_seconds + 1)
-    store.sweep_queue(config=replace(config, retain_seconds=86400))
-    faults.clear()
-    counts = store.count_items(queue=Q)
-    assert (counts.finished, counts.failed) == (1, 3)
-    assert {call for call, _ in faults.calls} == {"listdir"}
 
 
 def test_count_items_forgets_deleted_items(store, clock, config):

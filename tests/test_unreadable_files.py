@@ -72,6 +72,8 @@ async def test_queue_figures_and_claims_go_on(api, tokens, bad_file):
     good = (await api.post("/api/queues/jobs/items", json={"payload": "good"}, headers=bearer(tokens["all"]))).json()
     for path in ("/api/queues", "/api/queues/jobs"):
         assert (await api.get(path, headers=bearer(tokens["all"]))).status_code == 200
+    counts = (await api.get("/api/queues/jobs", headers=bearer(tokens["all"]))).json()["counts"]
+    assert counts == {"scheduled": 0, "pending": 1, "processing": 0, "finished": 0, "failed": 0}
     claimed = (await api.post("/api/queues/jobs/claim", json={"max": 5}, headers=bearer(tokens["all"]))).json()
     assert [item["id"] for item in claimed["items"]] == [good["id"]]
 

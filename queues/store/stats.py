@@ -1,32 +1,63 @@
 """Counts and listings: what the API's queue figures and the dashboard's lists show. Counts list
-names only (a failed item is told from a finished one by its mark in failed/, an error result by
-its mark in errors/); a listing reads just the files of the page it shows."""
+names (a failed item is told from a finished one by its mark in failed/, an error result by its
+mark in errors/) and read only the files they have not met before (`ReadNames`); a listing reads
+just the files of the page it shows."""
 
 import heapq
+import threading
 
 from .. import ids
 from . import files
 from .items import ItemFiles
-from .layout import ITEM_STATES, ITEM_SUFFIX, Layout
+from .layout import ITEM_STATES, ITEM_SUFFIX
 from .records import Counts, Item
 
 _SUFFIX = len(ITEM_SUFFIX)
 
 
-def _ids_in(layout: Layout, queue: str, state: str) -> list[str]:
-    return [name[:-_SUFFIX] for name in files.names(layout.directory(queue, state)) if name.endswith(ITEM_SUFFIX)]
+# A state holding more names than this is counted by its names alone: reading them all would
+# hold up the count, and remembering them would cost more memory than the count is worth.
+MAX_READ_NAMES = 20_000
 
 
-def count_items(layout: Layout, queue: str) -> Counts:
-    scheduled = len(_ids_in(layout, queue, "scheduled"))
-    pending = _ids_in(layout, queue, "pending")
-    processing = _ids_in(layout, queue, "processing")
-    done = _ids_in(layout, queue, "done")
+class ReadNames:
+    """The ids in each queue's state directories that this process's counts have read as items,
+    so counts and listings leave out files that are not items (read once, and quarantined then)
+    while a count reads only the names it has not met."""
+
+    def __init__(self):
+        self._read: dict[tuple[str, str], set[str]] = {}
+        self._lock = threading.Lock()
+
+    def items_in(self, items: ItemFiles, queue: str, state: str) -> list[str]:
+        """The ids of the items in `state`/: its names that are ids of item files."""
+        names = [name[:-_SUFFIX] for name in files.names(items.layout.directory(queue, state)) if name.endswith(ITEM_SUFFIX)]
+        item_ids = [name for name in names if ids.is_valid_id(name)]  # a stray name: the sweep moves it
+        if len(item_ids) > MAX_READ_NAMES:
+            return item_ids
+        with self._lock:
+            read = self._read.get((queue, state), set())
+        # None: not an item (quarantined now), or moved on since the listing
+        item_ids = [i for i in item_ids if i in read or items.read(queue, state, i) is not None]
+        with self._lock:
+            self._read[(queue, state)] = set(item_ids)
+        return item_ids
+
+    def forget_queue(self, queue: str) -> None:
+        with self._lock:
+            for key in [key for key in self._read if key[0] == queue]:
+                del self._read[key]
+
+
+def count_items(items: ItemFiles, read_names: ReadNames, queue: str) -> Counts:
+    layout = items.layout
+    scheduled = len(read_names.items_in(items, queue, "scheduled"))
+    pending = read_names.items_in(items, queue, "pending")
+    processing = read_names.items_in(items, queue, "processing")
+    done = read_names.items_in(items, queue, "done")
     failed = len(set(files.names(layout.directory(queue, "failed"))).intersection(done))
     errors = len(set(files.names(layout.directory(queue, "errors"))).intersection(done))
     oldest = min(pending, default=None)
-    if oldest is not None and not ids.is_valid_id(oldest):  # a stray name: the sweep moves it
-        oldest = min((i for i in pending if ids.is_valid_id(i)), default=None)
     return Counts(
         scheduled=scheduled,
         pending=len(pending),
@@ -38,17 +69,17 @@ def count_items(layout: Layout, queue: str) -> Counts:
     )
 
 
-def list_items(items: ItemFiles, queue: str, state: str, *, offset: int, limit: int,
+def list_items(items: ItemFiles, read_names: ReadNames, queue: str, state: str, *, offset: int, limit: int,
                status: str | None = None) -> tuple[int, list[Item]]:
     """One page of a state's items, newest first, and the state's total; of done items, only the
     `status` ("finished" or "failed") ones when it is given, told apart by the failed marks."""
     if state not in ITEM_STATES:
         raise ValueError(f"no state {state!r}")
-    item_ids = _ids_in(items.layout, queue, state)
+    item_ids = read_names.items_in(items, queue, state)
     if state == "done" and status in ("finished", "failed"):
         failed = set(files.names(items.layout.directory(queue, "failed")))
         item_ids = [item_id for item_id in item_ids if (item_id in failed) == (status == "failed")]
     # the newest offset+limit names only: a full sort of a million names costs far more
     newest = heapq.nlargest(offset + limit, item_ids)[offset:]
-    page = [items.read(queue, state, item_id) for item_id in newest if ids.is_valid_id(item_id)]
+    page = [items.read(queue, state, item_id) for item_id in newest]
     return len(item_ids), [item for item in page if item is not None]  # None: moved on meanwhile

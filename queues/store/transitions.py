@@ -102,6 +102,7 @@ class Store:
             observer=observer,
         )
         self._ids = ids.IdMaker()
+        self._read_names = stats.ReadNames()
 
     # ---- queues and health ------------------------------------------------------------------
 
@@ -124,6 +125,7 @@ class Store:
         processes keep theirs open, and a queue made again under the name must lock the same
         files, or those processes would no longer exclude this one."""
         self._items.forget_queue(queue)
+        self._read_names.forget_queue(queue)
         queue_dir = self._items.layout.queue_dir(queue)
         with _storage_errors:
             for name in files.names(queue_dir):
@@ -580,13 +582,13 @@ class Store:
 
     def count_items(self, *, queue: str) -> Counts:
         with _storage_errors:
-            return stats.count_items(self._items.layout, queue)
+            return stats.count_items(self._items, self._read_names, queue)
 
     def list_items(self, *, queue: str, state: str, offset: int = 0, limit: int = 50,
                    status: str | None = None) -> tuple[int, list[Item]]:
         """One page of a state's items, newest first, and the state's total (done: of `status` only, if given)."""
         with _storage_errors:
-            return stats.list_items(self._items, queue, state, offset=offset, limit=limit, status=status)
+            return stats.list_items(self._items, self._read_names, queue, state, offset=offset, limit=limit, status=status)
 
     def throughput(self, *, queue: str, minutes: int = 15) -> list[tuple[float, int, int]]:
         """(minute start, finished, failed) for each of the last `minutes` minutes, oldest first."""
