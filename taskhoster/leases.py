@@ -17,21 +17,27 @@ log = logging.getLogger("taskhoster.worker")
 
 async def release(link: Link, job: Job, *, delay: float = 0, error: Any = None) -> None:
     """Give the item back to its queue: pending now, or scheduled `delay` seconds from now;
-    `error` (if not None) is kept on the item as its lastError."""
+    `error` (if not None) is kept on the item as its lastError. A refusal is logged, not raised."""
+    try:
+        await _ask_release(link, job, delay=delay, error=error)
+    except (ApiError, LinkClosed) as exc:
+        # not held any more, the socket closed (its items are back in their queues), or the
+        # server could not make it for now: none of it is for the caller to mend
+        log.info("release of %s %s not taken (%s)", job.queue, job.id, exc or "socket closed")
+
+
+async def _ask_release(link: Link, job: Job, *, delay: float, error: Any) -> None:
     frame = {"op": "release", "queue": job.queue, "id": job.id}
     if delay:
         frame["delay"] = delay
     if error is not None:
         frame["error"] = error
-    try:
-        await link.request(frame)
-    except (ApiError, LinkClosed) as exc:
-        # not held any more, or the socket closed: either way it is not ours
-        log.info("release of %s %s not taken (%s)", job.queue, job.id, exc or "socket closed")
+    await link.request(frame)
 
 
 DUE_SLACK_SECONDS = 0.001  # a timer may fire this much before its time: what is due then is due
 EXTEND_RETRY_SECONDS = 1.0  # after a renewal the server could not make for now (errors.PASSING_CODES)
+RELEASE_RETRY_SECONDS = 1.0  # after a release it could not make for now
 
 
 class _Lease:
@@ -91,10 +97,26 @@ class Leases:
         return [(lease.job, lease.link) for lease in self._held.values()]
 
     async def give_back(self, item_id: str, *, delay: float = 0, error: Any = None) -> None:
-        """Release the item over the socket it was last claimed over (see `release`)."""
-        lease = self._held.get(item_id)
-        if lease is not None:
-            await release(lease.link, lease.job, delay=delay, error=error)
+        """Release the item over the socket it was last claimed over (see `release`). One the
+        server could not make for now (busy, a full disk) goes again after a pause, its delay
+        shortened by the wait, while the item is held here (its lease renewed meanwhile): let go,
+        it would wait for its lease to lapse rather than for its delay."""
+        started = self._loop.time()
+        while (lease := self._held.get(item_id)) is not None:
+            waited = self._loop.time() - started
+            try:
+                await _ask_release(lease.link, lease.job, delay=max(0.0, delay - waited), error=error)
+                return
+            except ApiError as exc:
+                if exc.code not in PASSING_CODES or lease.link.closed:
+                    log.info("release of %s %s not taken (%s)", lease.job.queue, item_id, exc)
+                    return
+                pause = min(RELEASE_RETRY_SECONDS, lease.job.lease_seconds / 8)
+                log.warning("could not release %s %s (%s); trying again in %g s", lease.job.queue, item_id, exc, pause)
+                await asyncio.sleep(pause)
+            except LinkClosed as exc:  # its items are back in their queues
+                log.info("release of %s %s not taken (%s)", lease.job.queue, item_id, exc or "socket closed")
+                return
 
     def _set_timer(self, when: float) -> None:
         if self._timer is not None:

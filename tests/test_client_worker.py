@@ -30,6 +30,8 @@ QUEUES = {
     "errors": {},
     "broken": {},
     "retry": {},
+    "release-busy": {},  # 60 s leases: a release dropped by its worker holds the item past the test
+    "release-full": {},
     "claimed-again": {},  # 60 s leases: an item dropped by its worker stays out past the test
     "claimed-again-lost": {},
     "claimed-again-stop": {},
@@ -263,18 +265,46 @@ def test_on_error_release_puts_the_item_back_for_another_try(live, producer):
     assert producer.get("retry", item["id"])["attempts"] == 2
 
 
+@pytest.mark.parametrize(("queue", "code"), [("release-busy", "busy"), ("release-full", "storage_unavailable")])
+def test_a_release_the_server_could_not_make_for_now_goes_again(live, producer, monkeypatch, queue, code):
+    """on_error="retry": the failed try goes back for its backoff, not for its lease (60 s), though
+    the server answers its release `busy` or `storage_unavailable` twice; each try's delay is
+    shortened by the wait, so the item is due when it was to be."""
+    monkeypatch.setattr(leases_module, "RELEASE_RETRY_SECONDS", 0.2)
+    refused = []
+    request = Link.request
+
+    async def refusing_at_first(self, frame, **options):
+        if isinstance(frame, dict) and frame.get("op") == "release" and len(refused) < 2:
+            refused.append(frame["delay"])
+            raise api_error(code, "not now")
+        return await request(self, frame, **options)
+
+    monkeypatch.setattr(Link, "request", refusing_at_first)
+
+    def flaky(payload, job):
+        if job.attempts == 1:
+            raise ConnectionError("the first try always fails")
+        return {"done on attempt": job.attempts, "lastError": job.last_error["error"]["type"]}
+
+    item = producer.post(queue, "x")
+    with working(Worker(live.url, live.token, queues=[queue], on_error="retry", retry_base=2), flaky):
+        assert producer.result(queue, item["id"], timeout=20) == {"done on attempt": 2, "lastError": "ConnectionError"}
+    assert len(refused) == 2 and refused[1] <= refused[0] - 0.2
+
+
 @pytest.mark.parametrize("kind", ["plain", "async"])
 def test_an_item_handed_out_again_before_its_release_is_answered_gets_its_next_try(live, producer, monkeypatch,
                                                                                    kind):
     """A failed run's item goes back, and the worker's own waiting claim (a free slot) may bring
     it again before the server has answered the release: that claim is its next try."""
-    real_release = leases_module.release
+    real_release = leases_module._ask_release
 
     async def release_answered_late(link, job, **options):
         await real_release(link, job, **options)
         await asyncio.sleep(0.3)  # by now the claim that brings it back has come
 
-    monkeypatch.setattr(leases_module, "release", release_answered_late)
+    monkeypatch.setattr(leases_module, "_ask_release", release_answered_late)
 
     def flaky(payload, job):
         if job.attempts == 1:
@@ -295,7 +325,7 @@ def test_an_item_handed_out_again_over_a_socket_lost_before_the_release_is_answe
         live, producer, monkeypatch):
     """The server put that claim's item back when the socket closed: the next try is the one a
     claim over the next socket brings."""
-    real_release = leases_module.release
+    real_release = leases_module._ask_release
 
     async def release_then_lose_the_socket(link, job, **options):
         await real_release(link, job, **options)
@@ -304,7 +334,7 @@ def test_an_item_handed_out_again_over_a_socket_lost_before_the_release_is_answe
         while not link.closed:  # answered once the link knows, before a new socket brings it back
             await asyncio.sleep(0.005)
 
-    monkeypatch.setattr(leases_module, "release", release_then_lose_the_socket)
+    monkeypatch.setattr(leases_module, "_ask_release", release_then_lose_the_socket)
     attempts = []
 
     def flaky(payload, job):
@@ -323,7 +353,7 @@ def test_an_item_handed_out_again_over_a_socket_lost_before_the_release_is_answe
 def test_an_item_handed_out_again_before_its_release_is_answered_is_given_back_when_the_worker_stops(
         live, producer, monkeypatch):
     released = threading.Event()
-    real_release = leases_module.release
+    real_release = leases_module._ask_release
 
     async def release_answered_late(link, job, **options):
         await real_release(link, job, **options)
@@ -331,7 +361,7 @@ def test_an_item_handed_out_again_before_its_release_is_answered_is_given_back_w
         released.set()  # then the stop
         await asyncio.sleep(0.3)
 
-    monkeypatch.setattr(leases_module, "release", release_answered_late)
+    monkeypatch.setattr(leases_module, "_ask_release", release_answered_late)
     attempts = []
 
     def fails(payload, job):
