@@ -16,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from websockets.sync.client import connect
 
 from lock_holder import item_locks_held_elsewhere
+from queues import serving
 from queues.store import Store
 from serverproc import MANAGE, PROJECT_DIR, Deployment
 
@@ -181,6 +182,42 @@ def test_sigint_stops_a_serve_started_with_sigint_ignored(tmp_path, server):
     try:
         assert "Taskhoster is serving" in process.stdout.readline()
         process.send_signal(signal.SIGINT)
+        assert process.wait(WAIT) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.communicate()
+
+
+# serve as the command runs it, with a SIGTERM sent to itself just before the server starts (as a
+# supervisor's stop right after a start would come while the server binds its port)
+SIGNALLED_EARLY = """
+import os, signal, sys
+import django
+django.setup()
+from queues import serving
+import queues.serving.{module} as server_module
+
+serve_now = server_module.run
+
+def run(*args, **kwargs):
+    os.kill(os.getpid(), signal.SIGTERM)  # before the server has its signal handlers
+    return serve_now(*args, **kwargs)
+
+server_module.run = run
+serving.serve(host="127.0.0.1", port=0, ready=lambda port: print("ready", port, flush=True), server=sys.argv[1])
+"""
+
+
+@pytest.mark.parametrize("server", ["uvicorn", "daphne"])
+def test_a_stop_signal_that_comes_before_the_server_has_its_handlers_stops_it_once_it_has(tmp_path, server):
+    deployment = Deployment(tmp_path)
+    deployment.prepare(queues=[])
+    program = SIGNALLED_EARLY.format(module=serving.SERVERS[server])
+    process = subprocess.Popen([sys.executable, "-c", program, server], cwd=PROJECT_DIR, env=deployment.environ(),
+                               stdout=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout.readline().startswith("ready")
         assert process.wait(WAIT) == 0
     finally:
         if process.poll() is None:

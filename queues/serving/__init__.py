@@ -83,14 +83,22 @@ def background_tasks() -> Background:
 
 
 @contextmanager
-def _stop_signals_end_quietly() -> Iterator[None]:
+def _stop_signals_held() -> Iterator[Callable[[], None]]:
     """The servers take SIGINT and SIGTERM while they serve (uvicorn raises them again once
-    stopped, against the handlers it found, to die of them). Ignored outside that, until the
-    clean-up after a stop is over: a stop, and a second signal during its clean-up (which gives
-    back what sockets held), end in exit status 0."""
-    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+    stopped, against the handlers it found, to die of them). Outside that they are held: one that
+    comes before the server has taken them over (importing it, binding its port) is raised again
+    by the function this yields, to be called once the server has its handlers, so a stop sent
+    just after start is not lost; one that comes after the stop, during its clean-up (which gives
+    back what sockets held), is dropped, so that a stop ends in exit status 0."""
+    held: list[int] = []
+    previous = {sig: signal.signal(sig, lambda sig, frame: held.append(sig)) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def raise_held() -> None:
+        if held:
+            signal.raise_signal(held[0])
+
     try:
-        yield
+        yield raise_held
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -104,10 +112,15 @@ def serve(*, host: str, port: int, ready: Ready, server: str = DEFAULT_SERVER) -
     sweeping = start_sweeper(stop_sweeping)
     from taskhoster_site.asgi import application
 
-    with _stop_signals_end_quietly():
+    with _stop_signals_held() as raise_held:
+
+        def listening_now(port: int) -> None:  # called once the server has its signal handlers
+            ready(port)
+            raise_held()
+
         try:
             listening = run(
-                application, host=host, port=port, ready=ready, background=background_tasks(),
+                application, host=host, port=port, ready=listening_now, background=background_tasks(),
                 max_connections=connections,
             )
         finally:
