@@ -200,7 +200,7 @@ def test_many_items_due_at_once_are_promoted_in_chunks_each_claimable_at_once(tm
     pushed = []
 
     class Events(NoEvents):
-        def items_available(self, queue, count):
+        def items_available(self, queue, count, item_ids=()):
             pushed.append(count)
 
     monkeypatch.setattr(transitions, "PROMOTE_CHUNK", 3)
@@ -385,7 +385,7 @@ def test_a_release_promoted_at_once_tells_waiting_claims_once(tmp_path, clock, c
     told = []
 
     class Events(NoEvents):
-        def items_available(self, queue, count):
+        def items_available(self, queue, count, item_ids=()):
             told.append(count)
 
     store = Store(tmp_path / "data", fsync=False, clock=clock, events=Events())
@@ -638,7 +638,7 @@ def test_a_cancel_ends_an_item_that_has_not_ended_and_refuses_later_results(tmp_
     told = []
 
     class Events:
-        def items_available(self, queue, count):
+        def items_available(self, queue, count, item_ids=()):
             pass
 
         def items_terminal(self, queue, item_ids):

@@ -43,7 +43,7 @@ def sweep_queue(items: ItemFiles, config: QueueConfig) -> SweepChanges:
     deleted = _delete_expired(items, config, listing["done"])
     tmp_removed = _remove_leftovers(items, queue, set(listing["done"]))
     if requeued:
-        items.events.items_available(queue, len(requeued))
+        items.events.items_available(queue, len(requeued), item_ids=requeued)
     return SweepChanges(repaired, failed, requeued, deleted, tmp_removed)
 
 
