@@ -10,6 +10,7 @@ frame closes the socket: any error, expected or not, is answered with an error f
 import asyncio
 import json
 import logging
+import math
 import re
 import time
 from functools import partial
@@ -32,6 +33,7 @@ from .protocol import (
     MAX_SOCKET_CLAIM_WAIT_SECONDS,
     MAX_WAITING_CLAIMS,
     RECHECK_SECONDS,
+    NumberOutOfRange,
     bearer_token,
     claimed,
     integer_field,
@@ -103,6 +105,27 @@ def ref_of_unread(data: str | bytes):
             except ValueError:
                 return None
     return None
+
+
+def _number_or_none(text: str) -> int | float | None:
+    try:
+        value = float(text) if any(c in text for c in ".eE") else int(text)
+    except ValueError:  # an integer of thousands of digits
+        return None
+    return value if math.isfinite(value) else None
+
+
+_READ_ANYWAY = json.JSONDecoder(parse_float=_number_or_none, parse_int=_number_or_none)
+
+
+def ref_despite_numbers(data: str | bytes):
+    """The ref of a frame refused for a number out of range (protocol.NumberOutOfRange), so its
+    answer still names it (None if the ref is such a number itself)."""
+    try:
+        frame = _READ_ANYWAY.decode(data if isinstance(data, str) else data.decode())
+    except ValueError:
+        return None
+    return frame.get("ref") if isinstance(frame, dict) else None
 
 
 def frame_too_large(size: int) -> PayloadTooLarge:
@@ -222,6 +245,8 @@ class WorkConsumer(AsyncWebsocketConsumer):
         except Exception as exc:
             if ref is None and isinstance(exc, PayloadTooLarge):  # too large to be parsed
                 ref = ref_of_unread(data)
+            elif ref is None and isinstance(exc, NumberOutOfRange):
+                ref = ref_despite_numbers(data)
             await self.answer_error(ref, exc)
         finally:
             receiving.give_back(len(data))
@@ -280,7 +305,8 @@ class WorkConsumer(AsyncWebsocketConsumer):
                 config = await self.work_queue(name)
                 posted = hub.available_mark(name)
                 items = await self.claim(config, max_items)
-            await self.answer("items", ref, items=claimed(items, config.max_attempts))
+            # items or not: a wait that ended before its first look has no config
+            await self.answer("items", ref, items=claimed(items, config.max_attempts) if items else [])
         except Exception as exc:
             await self.answer_error(ref, exc)
 

@@ -32,14 +32,26 @@ def _refuse_constant(name: str):
     raise ValueError(f"{name} is not JSON")
 
 
+class NumberOutOfRange(InvalidRequest):
+    """A number JSON allows that no value here can hold: beyond a double's range (1e999 would be
+    stored, then answered as Infinity, which is not JSON) or an integer of thousands of digits."""
+
+
 def _finite_float(text: str) -> float:
     value = float(text)
-    if not math.isfinite(value):  # 1e999 would be stored, then answered as Infinity: not JSON
-        raise ValueError(f"{text[:40]} is out of range")
+    if not math.isfinite(value):
+        raise NumberOutOfRange(f"the number {text[:40]} is out of range")
     return value
 
 
-_DECODER = json.JSONDecoder(parse_constant=_refuse_constant, parse_float=_finite_float)
+def _integer(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:  # over Python's limit on the digits of an integer read from text
+        raise NumberOutOfRange(f"an integer of {len(text)} digits is out of range") from None
+
+
+_DECODER = json.JSONDecoder(parse_constant=_refuse_constant, parse_float=_finite_float, parse_int=_integer)
 
 
 def bearer_token(authorization: str | None) -> str | None:
@@ -59,7 +71,7 @@ def parse_json(raw: bytes) -> Any:
         value = _DECODER.decode(raw.decode())  # JSON on the wire is UTF-8 (RFC 8259)
     except RecursionError:
         raise InvalidJson(f"the body cannot be read: {TOO_DEEP}") from None
-    except ValueError as exc:  # also bad UTF-8 and integers too long to read
+    except ValueError as exc:  # also bad UTF-8
         raise InvalidJson(f"the body is not valid JSON: {str(exc)[:200]}") from None
     if raw.count(b"[") + raw.count(b"{") > MAX_DEPTH:  # else it cannot nest that deep: skip the walk
         _check_depth(value)
@@ -99,6 +111,8 @@ def _present(body: dict, name: str, default: Any) -> Any:
 
 def integer_field(body: dict, name: str, *, low: int, high: int, default: Any = REQUIRED) -> int:
     value = _present(body, name, default)
+    if isinstance(value, float) and value.is_integer():  # JSON has one kind of number: 2.0 is 2
+        value = int(value)
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
         raise InvalidRequest(f"{name!r} must be an integer from {low} to {high}")
     return value

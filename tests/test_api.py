@@ -151,6 +151,16 @@ async def test_claim_takes_an_empty_body_as_the_defaults(api, queues, tokens):
     assert len(answer.json()["items"]) == 1
 
 
+async def test_claim_takes_a_max_written_as_a_whole_float(api, queues, tokens):
+    for n in range(3):
+        await post(api, tokens["all"], n)
+
+    answer = await api.post("/api/queues/jobs/claim", content=b'{"max": 2.0}', headers=bearer(tokens["worker"]))
+
+    assert answer.status_code == 200
+    assert len(answer.json()["items"]) == 2
+
+
 async def test_claim_on_a_paused_queue_hands_out_nothing(api, queues, tokens):
     await post(api, tokens["all"], 1)
     await asave_queue("jobs", paused=True)
@@ -292,7 +302,8 @@ async def test_health_is_503_when_the_data_directory_cannot_be_written(api, tran
     answer = await api.get("/healthz")
 
     assert answer.status_code == 503
-    assert answer.json() == {"ok": False, "database": True, "dataDirectory": False, "storeThread": True}
+    assert answer.json() == {"error": "storage_unavailable", "message": "the data directory does not take a write",
+                             "ok": False, "database": True, "dataDirectory": False, "storeThread": True}
 
 
 async def test_health_is_503_when_the_database_does_not_answer(api, transactional_db, monkeypatch):
@@ -304,7 +315,12 @@ async def test_health_is_503_when_the_database_does_not_answer(api, transactiona
     answer = await api.get("/healthz")
 
     assert answer.status_code == 503
-    assert answer.json() == {"ok": False, "database": False, "dataDirectory": True, "storeThread": True}
+    assert answer.json() == {"error": "storage_unavailable", "message": "the database does not answer",
+                             "ok": False, "database": False, "dataDirectory": True, "storeThread": True}
+
+
+MESSAGES = {"storeThread": "the store's threads do not take a call",
+            "dataDirectory": "the data directory does not take a write"}
 
 
 @pytest.mark.parametrize("stuck", ["storeThread", "dataDirectory"])
@@ -334,7 +350,8 @@ async def test_health_is_503_while_a_check_hangs(api, transactional_db, monkeypa
         answer = await asyncio.wait_for(api.get("/healthz"), 30)  # not forever: a hang fails the test
 
         assert answer.status_code == 503
-        assert answer.json() == {"ok": False, "database": True, "dataDirectory": True, "storeThread": True, stuck: False}
+        assert answer.json() == {"ok": False, "database": True, "dataDirectory": True, "storeThread": True, stuck: False,
+                                 "error": "storage_unavailable", "message": MESSAGES[stuck]}
     finally:
         release.set()
         if held is not None:

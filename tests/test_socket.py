@@ -106,6 +106,33 @@ async def test_claim_without_items_or_wait_answers_an_empty_list_and_ref_null(to
         assert await ask(ws, {"op": "claim", "queue": "jobs"}) == {"op": "items", "ref": None, "items": []}
 
 
+async def test_a_wait_over_before_the_claim_first_looks_answers_an_empty_list(token):
+    async with connected(token) as ws:
+        for wait in (1e-9, 5e-324):
+            assert await ask(ws, {"op": "claim", "queue": "jobs", "wait": wait, "ref": 1}) == {"op": "items", "ref": 1, "items": []}
+
+
+async def test_a_max_written_as_a_whole_float_is_that_integer(token):
+    post("jobs", 1, 2, 3)
+    async with connected(token) as ws:
+        assert len((await ask(ws, '{"op": "claim", "queue": "jobs", "max": 2.0}'))["items"]) == 2
+
+
+@pytest.mark.parametrize(("frame", "ref"), [
+    ('{"op": "claim", "ref": 7, "queue": "jobs", "wait": 1e999}', 7),
+    ('{"op": "claim", "queue": "jobs", "max": -1e400, "ref": "late"}', "late"),
+    ('{"op": "result", "queue": "jobs", "id": "%s", "ref": [1, 2], "result": %s}' % (MISSING_ID, "9" * 5000), [1, 2]),
+    ('{"op": "claim", "queue": "jobs", "ref": 1e999}', None),
+])
+async def test_a_number_out_of_range_is_invalid_request_answered_by_its_ref(token, frame, ref):
+    [item_id] = post("jobs", 1)
+    async with connected(token) as ws:
+        answer = await ask(ws, frame)
+        assert (answer["op"], answer["code"], answer["ref"]) == ("error", "invalid_request", ref)
+        assert "out of range" in answer["message"]
+        assert status("jobs", item_id) == "pending"
+
+
 async def test_a_paused_queue_hands_out_nothing(token):
     post("jobs", 1)
     await asyncio.to_thread(save_queue, "jobs", paused=True)
@@ -229,6 +256,7 @@ async def test_a_binary_frame_holding_json_is_answered_too(token):
 BAD_FRAMES = [
     ("{not json", "invalid_json"),
     ('{"op": "claim", "queue": "jobs", "max": NaN}', "invalid_json"),
+    ('{"op": "claim", "queue": "jobs", "max": Infinity}', "invalid_json"),
     ("[" * 100_000, "invalid_json"),
     ("[1, 2]", "invalid_request"),
     ('"claim"', "invalid_request"),

@@ -101,10 +101,17 @@ async def health(request: Request) -> Answer:
     )
     if database and disk is not None and disk.ok and store_threads:
         return Answer(200, {"ok": True})
-    answer = {"ok": False, "database": database, "dataDirectory": bool(disk and disk.writable), "storeThread": store_threads}
+    failures = [
+        *([] if database else ["the database does not answer"]),
+        *([] if disk and disk.writable else ["the data directory does not take a write"]),
+        *([] if store_threads else ["the store's threads do not take a call"]),
+    ]
     if disk is not None and disk.free_bytes < disk.min_free_bytes:
-        answer["message"] = f"the disk is nearly full: {disk.free_bytes} bytes free, {disk.min_free_bytes} kept in reserve"
-    return Answer(503, answer)
+        failures.append(f"the disk is nearly full: {disk.free_bytes} bytes free, {disk.min_free_bytes} kept in reserve")
+    # an error's shape, as every error of the API, with what failed beside it
+    return Answer(503, {"error": "storage_unavailable", "message": "; ".join(failures), "ok": False,
+                        "database": database, "dataDirectory": bool(disk and disk.writable),
+                        "storeThread": store_threads})
 
 
 @router.add("GET", "/api/schema")
