@@ -35,6 +35,7 @@ server_stopping = threading.Event()
 STORE_THREADS = 2  # one runs while the other waits for the disk; more would only queue for the turn
 SCAN_THREADS = 2
 ITEMS_ON_LOOP = 8  # items a call may have to run on the event loop
+TRANSITIONS_END_SECONDS = 10  # what store transitions still running get when the server stops
 ITEM_LISTS = ("items", "results", "releases")  # the arguments that hold a call's items
 SCANS = frozenset(
     {"count_items", "list_items", "throughput", "check_health", "sweep_queue", "take_snapshot", "count_queues"}

@@ -22,7 +22,7 @@ from ..protocol import (
     number_param,
     run_at_field,
 )
-from ..runtime import get_registry, get_store, run, store_threads_answer
+from ..runtime import TRANSITIONS_END_SECONDS, get_registry, get_store, run, store_threads_answer
 from ..services import describe_queue
 from ..store import ABSENT, NewItem, Posted, Release, single
 from ..store.keys import check_key
@@ -70,6 +70,32 @@ def _new_items(body: dict, header_key: str | None) -> tuple[list[NewItem], bool]
         raise InvalidRequest(f'a batch takes only "items": give each item its own {", ".join(map(repr, beside))}')
     entries = [json_object(e, allowed=ITEM_FIELDS, required={"payload"}, what="each item") for e in body["items"]]
     return [NewItem(entry["payload"], run_at_field(entry, now=now), _key_field(entry)) for entry in entries], True
+
+
+async def _changed(call, /, **kwargs):
+    """What a store change did, awaited to its end even if the request is cut meanwhile (a stop
+    cancels the requests its grace did not see end; daphne cancels them at once). Begun, the
+    change runs on regardless (see runtime.run), so the answer says what it did rather than 503
+    "try again", after which a post sent again would make a second item. It waits at most
+    TRANSITIONS_END_SECONDS after the cut, as the stopping server does for such changes."""
+    changing = run(call, **kwargs)
+    try:
+        return await asyncio.shield(changing)
+    except asyncio.CancelledError:
+        if not await _ended_within(changing, TRANSITIONS_END_SECONDS):
+            raise
+        return changing.result()
+
+
+async def _ended_within(future: asyncio.Future, seconds: float) -> bool:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + seconds
+    while not future.done() and (left := deadline - loop.time()) > 0:
+        try:
+            await asyncio.wait([future], timeout=left)
+        except asyncio.CancelledError:  # cut again: the change still ends on its own
+            continue
+    return future.done()
 
 
 def _key_field(entry: dict) -> str | None:
@@ -142,7 +168,7 @@ async def post_items(request: Request, queue: str) -> Answer:
     config = await authorize(request, queue, PRODUCE)
     body = json_object(await request.json(), allowed={*ITEM_FIELDS, "items"})
     new, batch = _new_items(body, request.header(b"idempotency-key"))
-    posted = await run(get_store().post_items, config=config, items=new)
+    posted = await _changed(get_store().post_items, config=config, items=new)
     if batch:
         return Answer(201, {"items": [_posted_json(entry) for entry in posted]})
     return Answer(200 if posted[0].duplicate else 201, posted[0].item.to_json())
@@ -243,7 +269,7 @@ async def hand_in_result(request: Request, queue: str, item_id: str) -> Answer:
     config = await authorize(request, queue, WORK)
     item_id = _item_id(item_id)
     body = json_object(await request.json(), allowed={"result"}, required={"result"})
-    outcome = single(await run(get_store().finish_items, results=[(config, item_id, body["result"])]))
+    outcome = single(await _changed(get_store().finish_items, results=[(config, item_id, body["result"])]))
     return Answer(200, {"id": outcome.id, "accepted": outcome.accepted, "status": outcome.status})
 
 
@@ -253,7 +279,7 @@ async def extend_lease(request: Request, queue: str, item_id: str) -> Answer:
     item_id = _item_id(item_id)
     body = json_object(await request.json(), allowed={"seconds"})
     seconds = number_field(body, "seconds", low=1, high=MAX_LEASE_SECONDS)
-    item = await run(get_store().extend_lease, queue=queue, item_id=item_id, seconds=seconds)
+    item = await _changed(get_store().extend_lease, queue=queue, item_id=item_id, seconds=seconds)
     return Answer(200, item.to_json())
 
 
@@ -266,7 +292,7 @@ async def release_item(request: Request, queue: str, item_id: str) -> Answer:
     body = json_object(await request.json(when_empty={}), allowed={"delay", "error"})
     delay = number_field(body, "delay", low=0, high=MAX_RELEASE_DELAY_SECONDS, default=0)
     release = Release(config, item_id, delay=delay, error=body.get("error", ABSENT))
-    item = single(await run(get_store().release_items, releases=[release]))
+    item = single(await _changed(get_store().release_items, releases=[release]))
     return Answer(200, item.to_json())
 
 
@@ -276,7 +302,7 @@ async def retry_item(request: Request, queue: str, item_id: str) -> Answer:
     config = await authorize(request, queue, PRODUCE)
     item_id = _item_id(item_id)
     json_object(await request.json(when_empty={}), allowed=set())
-    item, made = await run(get_store().retry_item, config=config, item_id=item_id)
+    item, made = await _changed(get_store().retry_item, config=config, item_id=item_id)
     return Answer(201 if made else 200, item.to_json())
 
 
@@ -286,5 +312,5 @@ async def cancel_item(request: Request, queue: str, item_id: str) -> Answer:
     config = await authorize(request, queue, PRODUCE)
     item_id = _item_id(item_id)
     json_object(await request.json(when_empty={}), allowed=set())
-    item, canceled = await run(get_store().cancel_item, config=config, item_id=item_id)
+    item, canceled = await _changed(get_store().cancel_item, config=config, item_id=item_id)
     return Answer(200, {**item.to_json(), "canceled": canceled})

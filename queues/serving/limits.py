@@ -9,12 +9,12 @@ import resource
 
 from django.conf import settings
 
+from ..runtime import TRANSITIONS_END_SECONDS
 from ..store import turn
 
 PING_INTERVAL = 10
 PING_TIMEOUT = 20
 SWEEP_STOP_SECONDS = 10
-TRANSITIONS_END_SECONDS = 10  # for store transitions still running when the server stops
 # Above the usual clients' own idle limit (httpx: 5 s), so the server is not the side that closes
 # an idle keep-alive connection just as the client sends a request on it.
 KEEP_ALIVE_SECONDS = 75
