@@ -21,7 +21,10 @@ class ConnectionFailed(TaskhosterError):
 
 class ApiError(TaskhosterError):
     """The server answered with an error: `code` is the API's error code (e.g. `unknown_queue`; the
-    list is in docs/api.md), `status` the HTTP status (None for an error frame on the socket)."""
+    list is in docs/api.md), `status` the HTTP status (None for an error frame on the socket),
+    `retry_after` the seconds it asked the client to wait before trying again, if it did."""
+
+    retry_after: float | None = None
 
     def __init__(self, code: str, message: str, status: int | None = None):
         super().__init__(f"{code}: {message}" if message else code)

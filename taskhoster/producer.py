@@ -23,6 +23,8 @@ MAX_WAIT_SECONDS = 60  # the longest the server holds a GET ?wait
 TERMINAL = ("finished", "failed")
 FIRST_RETRY_PAUSE = 0.2  # seconds before a post that failed in transport is sent again; doubled each time
 LONGEST_RETRY_PAUSE = 5.0
+# what a proxy in front of the server answers when the server is down or went away mid-request
+GATEWAY_FAILURES = frozenset({502, 503, 504})
 
 
 def _queue_path(queue: str) -> str:
@@ -142,7 +144,8 @@ class _PostTries:
             raise exc
         self.left -= 1
         self.retry += 1
-        return _retry_pause(self.retry - 1)
+        asked = getattr(exc, "retry_after", None) or 0.0  # the server's Retry-After, within reason
+        return max(_retry_pause(self.retry - 1), min(asked, LONGEST_RETRY_PAUSE))
 
 
 def _retry_pause(retry: int) -> float:
@@ -150,8 +153,9 @@ def _retry_pause(retry: int) -> float:
     return min(LONGEST_RETRY_PAUSE, FIRST_RETRY_PAUSE * 2**retry) * random.uniform(0.5, 1.0)
 
 
-def _read(answer: Answer, url: str) -> Any:
-    """The JSON answer of a successful call; the server's error as an ApiError otherwise."""
+def _read(answer: Answer, method: str, url: str) -> Any:
+    """The JSON answer of a successful call; the server's error as an ApiError otherwise (with
+    its Retry-After); a proxy's answer for a server it could not reach as ConnectionFailed."""
     try:
         body = json.loads(answer.body)
     except ValueError:
@@ -159,7 +163,13 @@ def _read(answer: Answer, url: str) -> Any:
     if 200 <= answer.status < 300 and body is not None:
         return body
     if isinstance(body, dict) and isinstance(body.get("error"), str):
-        raise api_error(body["error"], str(body.get("message", "")), answer.status)
+        error = api_error(body["error"], str(body.get("message", "")), answer.status)
+        error.retry_after = answer.retry_after
+        raise error
+    if answer.status in GATEWAY_FAILURES:  # the server's own errors are JSON: a proxy's, then
+        maybe = f" (the {method} may have been carried out)" if method != "GET" else ""
+        raise ConnectionFailed(f"HTTP {answer.status} from {url}: a proxy in front of the server could not "
+                               f"reach it, or lost it during the request{maybe}", maybe_done=bool(maybe))
     raise ApiError("unexpected_answer", f"HTTP {answer.status} from {url}", answer.status)
 
 
@@ -216,9 +226,10 @@ class Producer:
     connection, and each wait for the server's next bytes. Safe to share between threads; it keeps
     its connections open between calls. Use it as a context manager, or call close().
 
-    `post_retries`: how many times a post that failed in transport (the connection failed, or
-    the answer never came) or that the server could not take for now (503 `busy`,
-    `storage_unavailable`) is sent again, after about 0.2 s, 0.4 s, ... (at most 5 s). Every post
+    `post_retries`: how many times a post that failed in transport (the connection failed, the
+    answer never came, or a proxy in front of the server answered 502, 503 or 504 for it) or
+    that the server could not take for now (503 `busy`, `storage_unavailable`) is sent again,
+    after about 0.2 s, 0.4 s, ... (at most 5 s), or its Retry-After if longer. Every post
     then carries an idempotency key, one made for it where none is given, so a post the server did
     store is answered with that item the second time, never made twice. (A keyed post costs the
     server one more link and directory flush.) When the tries run out after one that may have
@@ -233,7 +244,7 @@ class Producer:
         self._http = Connections(Endpoint(self.url, token), timeout)
 
     def _call(self, method: str, target: str, body: bytes | None = None, wait: float = 0) -> Any:
-        return _read(self._http.call(method, target, body, self._timeout + wait), self.url + target)
+        return _read(self._http.call(method, target, body, self._timeout + wait), method, self.url + target)
 
     def _post(self, queue: str, body: bytes, keys: list[str | None]) -> Any:
         tries = _PostTries(self._post_retries, keys)
@@ -342,7 +353,7 @@ class AsyncProducer:
         self._http = AsyncConnections(Endpoint(self.url, token), timeout)
 
     async def _call(self, method: str, target: str, body: bytes | None = None, wait: float = 0) -> Any:
-        return _read(await self._http.call(method, target, body, self._timeout + wait), self.url + target)
+        return _read(await self._http.call(method, target, body, self._timeout + wait), method, self.url + target)
 
     async def _post(self, queue: str, body: bytes, keys: list[str | None]) -> Any:
         tries = _PostTries(self._post_retries, keys)

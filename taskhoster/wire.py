@@ -34,6 +34,7 @@ WRITE_AT_ONCE = 1 << 16  # a body larger than this is written after its head, no
 class Answer(NamedTuple):
     status: int
     body: bytes
+    retry_after: float | None = None  # seconds, when the answer says how long to wait (Retry-After)
 
 
 class Endpoint:
@@ -86,12 +87,16 @@ class Framing:
         self._status = 0
         self._body: list[bytes] = []
         self._framed = False  # Content-Length or Transfer-Encoding; else the body ends at close
+        self._retry_after: float | None = None
         self._headed = False
         self.ended = False
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        if not self._framed and name.lower() in (b"content-length", b"transfer-encoding"):
+        name = name.lower()
+        if name in (b"content-length", b"transfer-encoding"):
             self._framed = True
+        elif name == b"retry-after" and value.strip().isdigit():  # seconds (not the HTTP-date form)
+            self._retry_after = float(value)
 
     def on_headers_complete(self) -> None:
         self._status = self.parser.get_status_code()
@@ -119,7 +124,7 @@ class Framing:
         raise ConnectionResetError("the server closed the connection in the middle of its answer")
 
     def answer(self) -> Answer:
-        answer = Answer(self._status, b"".join(self._body))
+        answer = Answer(self._status, b"".join(self._body), self._retry_after)
         self._begin()
         return answer
 

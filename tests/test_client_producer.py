@@ -18,6 +18,7 @@ from client_support import client_env, live_server
 from http_stub import Handler, Reply, Request, StubServer
 from serverproc import PROJECT_DIR
 from taskhoster import (
+    ApiError,
     AsyncProducer,
     ConnectionFailed,
     ItemFailed,
@@ -178,13 +179,52 @@ def test_a_timeout_that_is_not_seconds_is_refused_before_any_request(timeout):
     assert requests == []
 
 
+def raw_answer(status: int, reason: str, page: bytes = b"<html>oops</html>", *, head: bytes = b"") -> Reply:
+    return Reply(raw=b"HTTP/1.1 %d %s\r\nContent-Type: text/html\r\n%sContent-Length: %d\r\n\r\n%s"
+                 % (status, reason.encode(), head, len(page), page))
+
+
 def test_an_answer_that_is_not_the_api_s_json_is_a_clear_error():
-    page = b"<html>Bad Gateway</html>"
-    bad_gateway = Reply(raw=b"HTTP/1.1 502 Bad Gateway\r\nContent-Type: text/html\r\nContent-Length: %d\r\n\r\n%s"
-                        % (len(page), page))
-    with stub_producer(lambda request: bad_gateway) as producer:
-        with pytest.raises(TaskhosterError, match="unexpected_answer: HTTP 502"):
+    with stub_producer(lambda request: raw_answer(500, "Internal Server Error")) as producer:
+        with pytest.raises(TaskhosterError, match="unexpected_answer: HTTP 500"):
             producer.stats()
+
+
+@pytest.mark.parametrize("status", [502, 503, 504])
+def test_a_proxy_that_lost_the_server_is_a_failed_connection_that_may_have_carried_out_a_post(status):
+    """nginx answers so while the server restarts, or when it went away mid-request: not the
+    server's own (JSON) answer, so nothing says whether a post it forwarded was carried out."""
+    with stub_producer(lambda request: raw_answer(status, "Bad Gateway")) as producer:
+        with pytest.raises(ConnectionFailed, match=f"HTTP {status}") as posting:
+            producer.post("jobs", 1)
+        with pytest.raises(ConnectionFailed, match=f"HTTP {status}") as reading:
+            producer.stats()
+    assert posting.value.maybe_done and "may have been carried out" in str(posting.value)
+    assert not reading.value.maybe_done
+
+
+def test_post_retries_sends_a_post_a_proxy_lost_again_under_its_key():
+    posts = []
+
+    def handler(request):
+        posts.append(request.json())
+        return raw_answer(502, "Bad Gateway") if len(posts) == 1 else Reply(201, {"id": "1", **request.json()})
+
+    with StubServer(handler) as stub, Producer(stub.url, "th_stub", post_retries=1) as producer:
+        assert producer.post("jobs", 1)["id"] == "1"
+    assert len(posts) == 2 and posts[0] == posts[1] and posts[0]["key"]
+
+
+def test_a_busy_server_s_retry_after_comes_with_its_error_and_paces_post_retries():
+    busy = raw_answer(503, "Service Unavailable", b'{"error": "busy", "message": "try again"}',
+                      head=b"Retry-After: 3\r\n")
+    with stub_producer(lambda request: busy) as producer:
+        with pytest.raises(ApiError) as raised:
+            producer.post("jobs", 1)
+    assert (raised.value.code, raised.value.retry_after) == ("busy", 3.0)
+    assert 3.0 <= producer_module._PostTries(2, [None]).pause_after(raised.value) <= producer_module.LONGEST_RETRY_PAUSE
+    raised.value.retry_after = 3600.0  # within reason
+    assert producer_module._PostTries(2, [None]).pause_after(raised.value) == producer_module.LONGEST_RETRY_PAUSE
 
 
 def test_url_and_token_come_from_the_environment(monkeypatch):
