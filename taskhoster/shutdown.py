@@ -49,6 +49,10 @@ class Shutdown:
         await self._abandon()
         if not self._hurry.is_set():
             await self._until(lambda: not self._unsent(), DRAIN_SECONDS)
+        if self._unsent():
+            # their items go back to their queues when the socket closes, and run again
+            log.warning("stopping with %d results the server has not taken; their items will be worked again",
+                        self._unsent())
         self._finished.set()
 
     async def _until(self, condition: Callable[[], bool], seconds: float) -> None:

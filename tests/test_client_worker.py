@@ -17,6 +17,7 @@ from websockets.asyncio.server import serve as serve_websocket
 import taskhoster.claims as claims_module
 import taskhoster.leases as leases_module
 import taskhoster.outbox as outbox_module
+import taskhoster.shutdown as shutdown_module
 from client_support import client_env, live_server
 from serverproc import PROJECT_DIR
 from taskhoster import ConnectionFailed, Job, Producer, TaskhosterError, Unauthorized, UnknownQueue, Worker
@@ -43,6 +44,7 @@ QUEUES = {
     "unstored-busy": {},
     "unstored-shed": {},
     "unstored-stop": {},
+    "unstored-drop": {},
     "unstored-rest": {},
     "too-large": {},
     "batched-claims": {},
@@ -690,6 +692,27 @@ def test_a_stopping_worker_keeps_handing_in_a_result_the_server_could_not_store(
     finished = producer.get("unstored-stop", item["id"])
     assert (finished["status"], finished.get("result"), finished["attempts"]) == ("finished", "late", 1)
     assert sent == [("result", [item["id"]])] * 3
+
+
+def test_a_stop_that_ends_with_results_the_server_never_took_says_so(live, producer, monkeypatch, caplog):
+    monkeypatch.setattr(outbox_module, "RESULT_RETRY_SECONDS", 0.05)
+    monkeypatch.setattr(shutdown_module, "DRAIN_SECONDS", 0.3)
+    ask = Link.ask
+
+    def refusing_results(self, frame, answered, **options):
+        if frame_of(frame)["op"] in ("result", "results"):
+            return answer_later(answered, DISK_FULL)
+        return ask(self, frame, answered, **options)
+
+    monkeypatch.setattr(Link, "ask", refusing_results)
+    handled = threading.Event()
+    item = producer.post("unstored-drop", 1)
+    worker = Worker(live.url, live.token, queues=["unstored-drop"])
+    with working(worker, lambda payload, job: handled.set()):
+        assert handled.wait(20)
+        worker.stop()
+    assert "stopping with 1 results the server has not taken" in caplog.text
+    wait_until(lambda: producer.get("unstored-drop", item["id"])["status"] == "pending", what="the item back")
 
 
 def test_a_claim_that_was_waiting_when_the_stop_came_gives_its_items_back(live, producer, monkeypatch, caplog):
