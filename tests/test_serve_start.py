@@ -2,8 +2,11 @@
 settings that would surprise them later, a host name outside ALLOWED_HOSTS; and that Django's
 `runserver` runs the sweep too."""
 
+import contextlib
 import json
 import logging
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -77,18 +80,19 @@ def test_a_host_outside_allowed_hosts_is_logged_with_the_variable_to_set(client,
     assert "restart with ALLOWED_HOSTS=localhost,<that name>" in caplog.text
 
 
-def _runserver(tmp_path, *queue_options: str) -> tuple[Deployment, subprocess.Popen, httpx.Client]:
-    """`runserver --noreload` over a new installation with the queue `short` (made with
-    `queue_options`): the installation, the server, and an API client with a token."""
+def _runserver(tmp_path, *queue_options: str, reload: bool = False) -> tuple[Deployment, subprocess.Popen, httpx.Client]:
+    """`runserver --noreload` (or with its autoreloader, in a session of its own) over a new
+    installation with the queue `short` (made with `queue_options`): the installation, the
+    server, and an API client with a token."""
     deployment = Deployment(tmp_path)
     deployment.prepare(queues=[])
     deployment.create_queue("short", *queue_options)
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    server = subprocess.Popen([sys.executable, str(MANAGE), "runserver", "--noreload", f"127.0.0.1:{port}"],
-                              cwd=PROJECT_DIR, env=deployment.environ(), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True)
+    server = subprocess.Popen([sys.executable, str(MANAGE), "runserver", *([] if reload else ["--noreload"]),
+                               f"127.0.0.1:{port}"], cwd=PROJECT_DIR, env=deployment.environ(), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, start_new_session=reload)
     api = httpx.Client(base_url=f"http://127.0.0.1:{port}",
                        headers={"Authorization": f"Bearer {deployment.token}"}, timeout=10)
     return deployment, server, api
@@ -126,6 +130,30 @@ def test_runserver_that_stops_gives_what_sockets_hold_back_without_counting_the_
         if server.poll() is None:
             server.kill()
     back = Store(deployment.data_dir, fsync=False).read_item(queue="short", item_id=item["id"])
+    assert (back.status, back.attempts) == ("pending", 1)
+
+
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_runserver_under_its_autoreloader_gives_what_sockets_hold_back_at_a_stop(tmp_path, stop):
+    """The server runs in a thread of the reloader's child, without signal handlers."""
+    deployment, server, api = _runserver(tmp_path, "--max-attempts", "1", reload=True)
+    try:
+        item = _post_when_up(api)
+        work_url = f"ws://{api.base_url.host}:{api.base_url.port}/work"
+        with connect(work_url, additional_headers={"Authorization": f"Bearer {deployment.token}"}) as worker:
+            worker.send(json.dumps({"op": "claim", "queue": "short"}))
+            assert [held["id"] for held in json.loads(worker.recv(timeout=30))["items"]] == [item["id"]]
+            os.killpg(server.pid, stop)  # as Ctrl-C reaches every process of the terminal's group
+            server.wait(30)
+            store = Store(deployment.data_dir, fsync=False)
+            deadline = time.monotonic() + 30  # the reloader's child may end after its parent
+            while (back := store.read_item(queue="short", item_id=item["id"])).status == "processing":
+                assert time.monotonic() < deadline, "the item was not given back"
+                time.sleep(0.1)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.pid, signal.SIGKILL)
+        server.communicate()
     assert (back.status, back.attempts) == ("pending", 1)
 
 
