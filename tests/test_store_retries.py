@@ -13,7 +13,8 @@ from queues import ids
 from queues.exceptions import InvalidRequest, ItemNotFound, NotEnded, NotHeld, TaskhosterError
 from queues.store import ABSENT, NewItem, QueueConfig, Release, Store, files
 from queues.store.items import NoEvents
-from queues.store.layout import SLOT_SECONDS
+from queues.store import transitions as transitions_module
+from queues.store.layout import SLOT_SECONDS, STALE_SECONDS
 from conftest import FakeClock, alongside
 from store_support import Q, claim_one, files_in, first_listing_done, queue_dir, states_of
 from serverproc import PROJECT_DIR
@@ -285,14 +286,14 @@ def test_a_post_whose_run_at_and_slot_pass_before_its_mark_is_made_makes_its_ite
     assert claim_one(store, config).id == item_id
 
 
-def test_a_post_whose_mark_a_look_removed_before_its_item_showed_makes_its_item_pending(store, clock, config, monkeypatch):
+def test_a_post_whose_mark_a_look_found_before_its_item_showed_makes_its_item_pending(store, clock, config, monkeypatch):
     other = alongside(store, clock=clock)
     run_at = clock.now + 1
 
     def look():
         clock.now = run_at
-        assert other.promote_due(config=config) == []  # the mark came due without its item: removed as stale
-        assert due_marks(store) == []
+        assert other.promote_due(config=config) == []  # the mark came due without its item: left for it
+        assert len(due_marks(store)) == 1
 
     monkeypatch.setattr(files, "fault", _once_before("/scheduled/", look))
     (item_id,) = schedule(store, config, run_at)
@@ -300,7 +301,7 @@ def test_a_post_whose_mark_a_look_removed_before_its_item_showed_makes_its_item_
     assert claim_one(store, config).id == item_id
 
 
-def test_a_post_whose_mark_a_look_ahead_of_its_clock_removed_makes_it_again(store, clock, config, monkeypatch):
+def test_a_post_whose_mark_a_look_ahead_of_its_clock_found_keeps_it(store, clock, config, monkeypatch):
     """Hosts sharing a data directory: the look's clock is ahead of the post's, so the mark is
     due for the look before the item shows, and not yet due for the post."""
     ahead = FakeClock(clock.now + 5)
@@ -308,13 +309,54 @@ def test_a_post_whose_mark_a_look_ahead_of_its_clock_removed_makes_it_again(stor
     run_at = clock.now + 1
 
     def look():
-        assert other.promote_due(config=config) == [] and due_marks(store) == []  # removed as stale
+        assert other.promote_due(config=config) == [] and len(due_marks(store)) == 1  # left for its item
 
     monkeypatch.setattr(files, "fault", _once_before("/scheduled/", look))
     (item_id,) = schedule(store, config, run_at)
-    assert states_of(store, item_id) == ["scheduled"] and len(due_marks(store)) == 1  # made again
+    assert states_of(store, item_id) == ["scheduled"] and len(due_marks(store)) == 1
     clock.advance(1)
     assert store.promote_due(config=config) == [item_id]
+
+
+class Killed(BaseException):
+    """The process is killed here."""
+
+
+def test_a_post_killed_after_a_look_found_its_mark_before_its_item_leaves_the_item_to_a_later_look(
+        store, clock, config, monkeypatch):
+    """Its maker writes the mark, then moves the item in, then checks the mark: killed before
+    that check, the item has only its mark to bring it to pending."""
+    other = alongside(store, clock=clock)
+    run_at = clock.now + 1
+
+    def look():
+        clock.now = run_at
+        assert other.promote_due(config=config) == []
+
+    def killed(*args):
+        raise Killed
+
+    monkeypatch.setattr(files, "fault", _once_before("/scheduled/", look))
+    monkeypatch.setattr(transitions_module, "promote_if_due", killed)
+    with pytest.raises(Killed):
+        schedule(store, config, run_at)
+    monkeypatch.undo()
+    (item_id,) = [p.name.removesuffix(".json") for p in (queue_dir(store, Q) / "scheduled").iterdir()]
+    clock.advance(1)
+    assert alongside(store, clock=clock).promote_due(config=config) == [item_id]
+    assert states_of(store, item_id) == ["pending"] and due_marks(store) == []
+
+
+def test_a_mark_whose_item_never_came_is_a_leftover_after_an_hour(store, clock, config):
+    """Its maker was killed after it wrote the mark and before it moved the item in."""
+    store.ensure_queue(Q)
+    (item_id,) = ids.IdMaker().new_ids(1, clock.now)
+    run_at = clock.now + 1
+    store._items.schedule.mark(Q, item_id, run_at, at_run_at=True)
+    clock.now = run_at
+    assert store.promote_due(config=config) == [] and len(due_marks(store)) == 1  # it may yet come
+    clock.now = run_at + STALE_SECONDS
+    assert store.promote_due(config=config) == [] and due_marks(store) == []
 
 
 def test_a_post_whose_mark_a_look_removed_and_that_could_not_be_promoted_keeps_a_mark(store, clock, config, monkeypatch, caplog):

@@ -24,6 +24,9 @@ import secrets
 from .. import ids
 from ..exceptions import UnsafePath
 
+# tmp/ files, tallies and stray marks older than this are leftovers of writers that died
+STALE_SECONDS = 3600
+
 QUEUE_NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,63}")
 _DIGEST = re.compile(r"[0-9a-f]{64}")
 ITEM_STATES = ("scheduled", "pending", "processing", "done")

@@ -1,14 +1,17 @@
 """Moving scheduled items whose marks came due to pending (those past their queue timeout are
 failed instead). A look for due items finds the marks (schedule.py); whoever schedules an item
 also checks its mark once the item is in scheduled/: a mark already due by then may have been
-passed by every look, so its maker promotes the item at once; one a look found before the item
-was there was removed as stale, so its maker makes it again."""
+passed by every look, so its maker promotes the item at once. A look that finds a due mark
+before its item is in scheduled/ (its maker writes the mark first) leaves the mark for a later
+look, so the item is promoted even if its maker dies before it checks; a mark whose item never
+came is a leftover after STALE_SECONDS."""
 
 import logging
 
 from .. import ids
 from . import files
 from .items import ItemFiles
+from .layout import STALE_SECONDS
 from .records import QueueConfig, timed_out
 from .schedule import DueMark
 
@@ -18,16 +21,19 @@ log = logging.getLogger(__name__)
 def promote(items: ItemFiles, config: QueueConfig, marks: list[DueMark], now: float) -> list[str]:
     """Promote the items of these due marks, each under its lock, and remove the marks; the ids
     moved to pending, claimable once this returns."""
-    queue, moved = config.name, []
+    queue, moved, spent = config.name, [], []
     for mark in marks:
         with items.lock(queue, mark.item_id):
-            if _promote_one(items, config, mark, now):
-                moved.append(mark.item_id)
+            outcome = _promote_one(items, config, mark, now)
+        if outcome is not _COMING:
+            spent.append(mark)
+        if outcome is True:
+            moved.append(mark.item_id)
     if moved:  # on disk before their marks go, so none is left without both
         items.flush_states(queue, "pending", "scheduled")
         items.index(queue).push(moved)
         items.events.items_available(queue, len(moved), item_ids=moved)
-    for mark in marks:
+    for mark in spent:
         files.remove(mark.path)
     return moved
 
@@ -56,9 +62,13 @@ def promote_if_due(items: ItemFiles, config: QueueConfig, marks: list[DueMark]) 
         return set()
 
 
-def _promote_one(items: ItemFiles, config: QueueConfig, mark: DueMark, now: float) -> bool:
+_COMING = "coming"  # the item is not in scheduled/ yet: its mark stays for a later look
+
+
+def _promote_one(items: ItemFiles, config: QueueConfig, mark: DueMark, now: float) -> bool | str:
     """Promote one scheduled item whose mark came due (under its lock); whether it went to
-    pending. An item due at its runAt, and not aged out by its id's time, moves unread."""
+    pending, or _COMING. An item due at its runAt, and not aged out by its id's time, moves
+    unread."""
     queue, layout, item_id = config.name, items.layout, mark.item_id
     scheduled = layout.item(queue, "scheduled", item_id)
     if files.exists(layout.item(queue, "done", item_id)):
@@ -68,7 +78,7 @@ def _promote_one(items: ItemFiles, config: QueueConfig, mark: DueMark, now: floa
         try:
             files.move(scheduled, layout.item(queue, "pending", item_id))
         except FileNotFoundError:
-            return False  # ended, or moved by another process: its mark only remains
+            return _COMING if _may_be_coming(items, queue, mark, now) else False
         return True
     item = items.read(queue, "scheduled", item_id)
     if item is None:
@@ -85,3 +95,11 @@ def _promote_one(items: ItemFiles, config: QueueConfig, mark: DueMark, now: floa
         files.remove(again.path)  # due already, as any mark made meanwhile: moved by its maker
     files.move(scheduled, layout.item(queue, "pending", item_id))
     return True
+
+
+def _may_be_coming(items: ItemFiles, queue: str, mark: DueMark, now: float) -> bool:
+    """Whether an item missing from scheduled/ may be on its way there: in no later state (where
+    a promotion or an end took it), and its mark not a leftover."""
+    if now - mark.due >= STALE_SECONDS:
+        return False
+    return not any(files.exists(items.layout.item(queue, state, mark.item_id)) for state in ("pending", "processing", "done"))

@@ -17,11 +17,10 @@ from .. import ids
 from . import files
 from .items import SEARCH_ORDER, ItemFiles
 from .keys import key_of
-from .layout import MARKS, item_id_of
+from .layout import MARKS, STALE_SECONDS, item_id_of
 from .records import QueueConfig, SweepChanges, timed_out
 from .requeue import give_back
 
-STALE_SECONDS = 3600  # tmp/ files, tallies and stray marks older than this are leftovers
 WATCHED = ("pending", "processing", "done")
 KEEP_FIRST = SEARCH_ORDER  # of two copies a crash left, the one kept
 ID_CLOCK_MARGIN_SECONDS = 60  # how far an id's time may run ahead of the clock that ends the item
