@@ -219,7 +219,9 @@ class WorkConsumer(AsyncWebsocketConsumer):
         ]
         if releases:
             try:
-                await run(get_store().release_items, releases=releases)
+                # shielded: a stop that cancels this wait must not cancel a re-queue waiting for a
+                # store thread, which would then never run
+                await asyncio.shield(run(get_store().release_items, releases=releases))
             except Exception:
                 log.exception("could not re-queue the %d items a closed socket held", len(releases))
 

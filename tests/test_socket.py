@@ -133,6 +133,34 @@ async def test_a_number_out_of_range_is_invalid_request_answered_by_its_ref(toke
         assert status("jobs", item_id) == "pending"
 
 
+async def test_a_socket_s_re_queue_waiting_for_a_store_thread_runs_though_a_stop_cancels_its_close(token):
+    """More items than run on the loop go back in a store thread; were both busy when a stop
+    cancels the close, the re-queue must still run once one is free."""
+    posted = post("jobs", *range(runtime.ITEMS_ON_LOOP + 1))
+    free = threading.Event()
+
+    def post_items(items):
+        free.wait(TIMEOUT)  # as a flush that takes its time
+
+    ws = WebsocketCommunicator(application, "/work", headers=auth(token))
+    assert (await ws.connect())[0]
+    claimed = await ask(ws, {"op": "claim", "queue": "jobs", "max": len(posted)})
+    assert len(claimed["items"]) == len(posted)
+    busy = asyncio.gather(*(run(post_items, items=[None] * (runtime.ITEMS_ON_LOOP + 1))
+                            for _ in range(runtime.STORE_THREADS)))
+    await ws.send_input({"type": "websocket.disconnect", "code": 1001})
+    await asyncio.sleep(0.1)  # the close waits for a store thread
+    ws.future.cancel()  # as a stopping server cancels what outlived its grace
+    await asyncio.gather(ws.future, return_exceptions=True)
+    free.set()
+    await busy
+    for _ in range(int(TIMEOUT / 0.01)):
+        if all(status("jobs", item_id) == "pending" for item_id in posted):
+            break
+        await asyncio.sleep(0.01)
+    assert [status("jobs", item_id) for item_id in posted] == ["pending"] * len(posted)
+
+
 async def test_a_paused_queue_hands_out_nothing(token):
     post("jobs", 1)
     await asyncio.to_thread(save_queue, "jobs", paused=True)

@@ -11,6 +11,7 @@ import pytest
 
 from api_support import FedRequest, bearer, queues, tokens  # noqa: F401  (fixtures)
 from queues import runtime
+from queues.api import handlers
 from queues.runtime import get_store
 from queues.store import files
 from taskhoster_site.asgi import application
@@ -84,6 +85,31 @@ async def test_a_post_cut_before_its_change_began_is_busy_and_does_nothing(queue
         await asyncio.sleep(0.01)
     request.task.cancel()
     await asyncio.gather(request.task, return_exceptions=True)
+
+    status, answer = answer_of(request)
+    assert (status, answer["error"]) == (503, "busy")
+    assert pending_files() == []
+
+
+async def test_a_post_whose_change_has_not_begun_when_the_wait_runs_out_is_busy_and_never_runs(
+        queues, tokens, monkeypatch):
+    """Both store threads taken (a stalled disk, say): the cut post's batch waits for one past
+    TRANSITIONS_END_SECONDS, then is answered busy, and must then never run."""
+    monkeypatch.setattr(handlers, "TRANSITIONS_END_SECONDS", 0.2)
+    free = threading.Event()
+
+    def post_items(items):
+        free.wait(WAIT_SECONDS)
+
+    busy = asyncio.gather(*(runtime.run(post_items, items=[None] * BATCH) for _ in range(runtime.STORE_THREADS)))
+    body = json.dumps({"items": [{"payload": n} for n in range(BATCH)]}).encode()
+    request = post_request(tokens["all"], body)
+    await asyncio.sleep(0.1)  # its batch waits for a store thread
+    request.task.cancel()
+    await asyncio.wait_for(asyncio.gather(request.task, return_exceptions=True), WAIT_SECONDS)
+    free.set()
+    await busy
+    await asyncio.sleep(0.1)  # a store thread is free for anything still queued
 
     status, answer = answer_of(request)
     assert (status, answer["error"]) == (503, "busy")

@@ -83,6 +83,7 @@ async def _changed(call, /, **kwargs):
         return await asyncio.shield(changing)
     except asyncio.CancelledError:
         if not await _ended_within(changing, TRANSITIONS_END_SECONDS):
+            changing.cancel()  # one still waiting for a store thread then never runs: 503 is true
             raise
         return changing.result()
 
