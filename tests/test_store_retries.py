@@ -5,6 +5,7 @@ import errno
 import os
 import subprocess
 import sys
+import time
 from dataclasses import replace
 
 import pytest
@@ -566,6 +567,29 @@ def test_a_retry_posts_the_ended_item_again_once(store, clock, config):
     again, made_again = store.retry_item(config=config, item_id=old)
     assert (again.id, made_again) == (new.id, False)
     assert claim_one(store, config).id == new.id
+
+
+def test_a_retry_of_an_item_that_ended_long_ago_is_no_leftover_to_a_sweep_meanwhile(store, clock, config, monkeypatch):
+    """The old item is rewritten through tmp/, which sweeps clear of files older than an hour:
+    it takes the old finishedAt as its time only once in place."""
+    long_retained = replace(config, retain_seconds=86400)
+    clock.now = time.time() - 2 * STALE_SECONDS
+    (old,) = schedule(store, long_retained, None)
+    finish(store, long_retained, old, "r")
+    clock.now = time.time()
+    sweeper = alongside(store, clock=clock)
+    swept = []
+
+    def sweep_before_the_move(call, path):
+        if call == "rename" and path.endswith(f"/done/{old}.json") and not swept:
+            swept.append(sweeper.sweep_queue(config=long_retained).tmp_removed)
+
+    monkeypatch.setattr(files, "fault", sweep_before_the_move)
+    new, made = store.retry_item(config=long_retained, item_id=old)
+    assert made and store.read_item(queue=Q, item_id=old).retried_as == new.id
+    assert swept == [0]
+    done = queue_dir(store, Q) / "done" / f"{old}.json"
+    assert done.stat().st_mtime == pytest.approx(store.read_item(queue=Q, item_id=old).finished_at, abs=0.01)
 
 
 def test_a_retry_asked_again_once_its_new_item_was_deleted_retries_anew(store, clock, config):

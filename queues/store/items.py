@@ -368,14 +368,21 @@ class ItemFiles:
 
     def rewrite(self, queue: str, state: str, item: Item, *, mtime: float | None = None) -> None:
         """Replace the item's file in `state`/ with this content (under its lock), whole: the old
-        or the new one is there at every instant; flushed before it returns."""
-        tmp = self.write_aside(queue, item, mtime=mtime)
+        or the new one is there at every instant; flushed before it returns. `mtime` is set once
+        the file is in place: in tmp/, an old one would make it a leftover to every sweep."""
+        tmp = self.write_aside(queue, item)
+        path = self.layout.item(queue, state, item.id)
         try:
             self.flush_files([tmp])
-            files.move(tmp, self.layout.item(queue, state, item.id))
+            files.move(tmp, path)
         except BaseException:
             files.remove_quietly(tmp)
             raise
+        if mtime is not None:
+            try:
+                files.set_mtime(path, mtime)
+            except OSError:  # it only times the item's retention, from now instead
+                log.warning("could not set the time of %s", path, exc_info=True)
         self.flush_states(queue, state)
 
     def record_claim(self, queue: str, item: Item) -> None:
