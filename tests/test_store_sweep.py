@@ -68,6 +68,16 @@ def test_lapsed_leases_go_back_and_running_ones_stay(store, clock, config):
     assert store.read_item(queue=Q, item_id=early).attempts == 1
 
 
+def test_a_lapsed_lease_on_the_last_try_ends_the_item_and_the_pass_says_so(store, clock, config):
+    once = replace(config, max_attempts=1)
+    (item_id,) = post(store, 1)
+    store.claim_items(config=once)
+    clock.advance(config.lease_seconds + 1)
+    changes = store.sweep_queue(config=once)
+    assert (changes.failed, changes.requeued) == ([item_id], [])
+    assert store.read_item(queue=Q, item_id=item_id).error == "max_attempts"
+
+
 # ---- retention (G7) --------------------------------------------------------------------------
 
 

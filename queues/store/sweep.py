@@ -38,12 +38,12 @@ def sweep_queue(items: ItemFiles, config: QueueConfig) -> SweepChanges:
     repaired = _repair(items, queue, listing)
     # failing first: an item both aged and lapsed ends failed, not re-queued
     failed = _fail_aged(items, config, listing["pending"] + listing["processing"])
-    requeued = _requeue_lapsed(items, config, listing["processing"])
+    requeued, ended = _requeue_lapsed(items, config, listing["processing"])
     deleted = _delete_expired(items, config, listing["done"])
     tmp_removed = _remove_leftovers(items, queue, set(listing["done"]))
     if requeued:
         items.events.items_available(queue, len(requeued), item_ids=requeued)
-    return SweepChanges(repaired, failed, requeued, deleted, tmp_removed)
+    return SweepChanges(repaired, failed + ended, requeued, deleted, tmp_removed)
 
 
 def _repair(items: ItemFiles, queue: str, listing: dict[str, list[str]]) -> list[str]:
@@ -91,10 +91,11 @@ def _fail_aged(items: ItemFiles, config: QueueConfig, names: list[str]) -> list[
     return failed
 
 
-def _requeue_lapsed(items: ItemFiles, config: QueueConfig, names: list[str]) -> list[str]:
-    """Move every processing item whose lease has lapsed back to pending."""
+def _requeue_lapsed(items: ItemFiles, config: QueueConfig, names: list[str]) -> tuple[list[str], list[str]]:
+    """Move every processing item whose lease has lapsed back to pending, or end it failed if it
+    aged meanwhile or had its maxAttempts; the ids re-queued, and those ended."""
     queue, now = config.name, items.clock()
-    requeued = []
+    requeued, ended = [], []
     for name in names:
         item_id = item_id_of(name)
         if item_id is None:
@@ -110,9 +111,10 @@ def _requeue_lapsed(items: ItemFiles, config: QueueConfig, names: list[str]) -> 
             if item.lease_expires_at is not None and item.lease_expires_at > now:
                 continue  # extended meanwhile
             if give_back(items, config, item, now=now, reason="lease").status == "failed":
-                continue  # aged (G6), or it had its maxAttempts
+                ended.append(item_id)  # aged (G6), or it had its maxAttempts
+                continue
         requeued.append(item_id)
-    return requeued
+    return requeued, ended
 
 
 def _delete_expired(items: ItemFiles, config: QueueConfig, done: list[str]) -> list[str]:
