@@ -131,7 +131,7 @@ class _PostTries:
         """How long to wait before the next try; raises when there is none. Once a try may have
         been carried out, giving up says so, whatever the last try met, with the keys to post
         again with."""
-        again = isinstance(exc, ConnectionFailed) or (isinstance(exc, ApiError) and exc.code in PASSING_CODES)
+        again = _passing(exc)
         if isinstance(exc, ConnectionFailed) and exc.maybe_done:
             self.maybe_done = exc
         if not again or not self.left:
@@ -144,8 +144,42 @@ class _PostTries:
             raise exc
         self.left -= 1
         self.retry += 1
-        asked = getattr(exc, "retry_after", None) or 0.0  # the server's Retry-After, within reason
-        return max(_retry_pause(self.retry - 1), min(asked, LONGEST_RETRY_PAUSE))
+        return _pause(self.retry - 1, exc)
+
+
+class _Outage:
+    """The server lost while `wait` and `result` wait for an item (a restart, say): its reads go
+    on, paced as post retries, until the item ends or the deadline passes. Only once the server
+    has answered one: a first read that fails (a wrong address, a server that is not there) raises."""
+
+    def __init__(self, deadline: float | None):
+        self.deadline = deadline
+        self.answered = False
+        self.retry = 0
+
+    def answer(self) -> None:
+        self.answered, self.retry = True, 0
+
+    def pause_after(self, exc: TaskhosterError) -> float:
+        """How long to wait before the next read; raises `exc` when there is none."""
+        if not (self.answered and _passing(exc)) or _expired(self.deadline):
+            raise exc
+        pause = _pause(self.retry, exc)
+        self.retry += 1
+        return pause if self.deadline is None else max(0.0, min(pause, self.deadline - time.monotonic()))
+
+
+def _passing(exc: TaskhosterError) -> bool:
+    """A failure that says nothing of the request: the connection failed, or the server could
+    not take it for now."""
+    return isinstance(exc, ConnectionFailed) or (isinstance(exc, ApiError) and exc.code in PASSING_CODES)
+
+
+def _pause(retry: int, exc: TaskhosterError) -> float:
+    """The pause before try `retry` + 1: the doubling one, or the server's Retry-After if longer
+    (within reason)."""
+    asked = getattr(exc, "retry_after", None) or 0.0
+    return max(_retry_pause(retry), min(asked, LONGEST_RETRY_PAUSE))
 
 
 def _retry_pause(retry: int) -> float:
@@ -291,12 +325,20 @@ class Producer:
 
     def wait(self, queue: str, item_id: str, *, timeout: float | None = None, payload: bool = False) -> dict:
         """Read the item once it is finished or failed, or as it is when `timeout` seconds have
-        passed (None: no limit). Long-polls in steps of at most 60 s."""
+        passed (None: no limit). Long-polls in steps of at most 60 s. Once the server has
+        answered, losing it (a restart: a failed connection, 503) is waited out within the
+        timeout; losing it past the timeout raises ConnectionFailed or the ApiError."""
         return self._wait(queue, item_id, _deadline(timeout), payload)
 
     def _wait(self, queue: str, item_id: str, deadline: float | None, payload: bool = False) -> dict:
+        outage = _Outage(deadline)
         while True:
-            item = self.get(queue, item_id, wait=_wait_step(deadline), payload=payload)
+            try:
+                item = self.get(queue, item_id, wait=_wait_step(deadline), payload=payload)
+            except TaskhosterError as exc:
+                time.sleep(outage.pause_after(exc))
+                continue
+            outage.answer()
             if item["status"] in TERMINAL or _expired(deadline):
                 return item
 
@@ -305,7 +347,8 @@ class Producer:
         """Wait for the item to end and return its result. Raises ItemFailed if it failed (its
         `error` says why) and ResultTimeout if `timeout` seconds pass first (None: no limit).
         With `follow_retries`, an item that ended and was retried (`retriedAs`) stands for its
-        retry: the result is that of the last retry, within the same timeout."""
+        retry: the result is that of the last retry, within the same timeout. A server restart
+        meanwhile is waited out, as by `wait`."""
         deadline = _deadline(timeout)
         item = self._wait(queue, item_id, deadline)
         while (retry := _followed(item, follow_retries)) is not None:
@@ -390,8 +433,14 @@ class AsyncProducer:
         return await self._wait(queue, item_id, _deadline(timeout), payload)
 
     async def _wait(self, queue: str, item_id: str, deadline: float | None, payload: bool = False) -> dict:
+        outage = _Outage(deadline)
         while True:
-            item = await self.get(queue, item_id, wait=_wait_step(deadline), payload=payload)
+            try:
+                item = await self.get(queue, item_id, wait=_wait_step(deadline), payload=payload)
+            except TaskhosterError as exc:
+                await asyncio.sleep(outage.pause_after(exc))
+                continue
+            outage.answer()
             if item["status"] in TERMINAL or _expired(deadline):
                 return item
 

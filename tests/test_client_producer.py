@@ -227,6 +227,50 @@ def test_a_busy_server_s_retry_after_comes_with_its_error_and_paces_post_retries
     assert producer_module._PostTries(2, [None]).pause_after(raised.value) == producer_module.LONGEST_RETRY_PAUSE
 
 
+def restarting_server(*outage: Reply | None):
+    """A stub of a server that answers one read (the item processing), then goes through
+    `outage` (None: the connection closed unanswered), then has the item finished."""
+    reads = []
+
+    def handler(request):
+        reads.append(request.target)
+        if len(reads) == 1:
+            return Reply(200, {"id": "1", "status": "processing"})
+        if len(reads) - 2 < len(outage):
+            return outage[len(reads) - 2]
+        return Reply(200, {"id": "1", "status": "finished", "result": "done"})
+
+    return handler, reads
+
+
+OUTAGE = (None, Reply(503, {"error": "busy", "message": "the server is stopping; try again"}), None)
+
+
+def test_result_waits_through_a_server_restart_once_the_server_answered():
+    handler, reads = restarting_server(*OUTAGE)
+    with stub_producer(handler) as producer:
+        assert producer.result("jobs", "1", timeout=30) == "done"
+    assert len(reads) == 2 + len(OUTAGE)
+
+
+async def test_async_result_waits_through_a_server_restart_once_the_server_answered():
+    handler, reads = restarting_server(*OUTAGE)
+    with StubServer(handler) as stub:
+        async with AsyncProducer(stub.url, "th_stub") as producer:
+            assert await producer.result("jobs", "1", timeout=30) == "done"
+    assert len(reads) == 2 + len(OUTAGE)
+
+
+def test_result_raises_when_the_server_never_answered_or_the_outage_outlasts_the_timeout():
+    with stub_producer(lambda request: None) as producer:
+        with pytest.raises(ConnectionFailed):
+            producer.result("jobs", "1")  # no limit, but nothing says the server is there
+    handler, _ = restarting_server(*[None] * 1000)
+    with stub_producer(handler) as producer:
+        with pytest.raises(ConnectionFailed):
+            producer.result("jobs", "1", timeout=0.5)
+
+
 def test_url_and_token_come_from_the_environment(monkeypatch):
     seen = []
 
