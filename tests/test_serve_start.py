@@ -119,11 +119,7 @@ def test_runserver_runs_the_sweep(tmp_path):
 def test_runserver_that_stops_gives_what_sockets_hold_back_without_counting_the_try(tmp_path):
     deployment, server, api = _runserver(tmp_path, "--max-attempts", "1")
     try:
-        item = _post_when_up(api)
-        work_url = f"ws://{api.base_url.host}:{api.base_url.port}/work"
-        with connect(work_url, additional_headers={"Authorization": f"Bearer {deployment.token}"}) as worker:
-            worker.send(json.dumps({"op": "claim", "queue": "short"}))
-            assert [held["id"] for held in json.loads(worker.recv(timeout=30))["items"]] == [item["id"]]
+        with _holding_an_item(deployment, api) as item:
             server.terminate()
             assert server.wait(30) == 0  # not a crash at exit (it was SIGSEGV)
     finally:
@@ -138,11 +134,7 @@ def test_runserver_under_its_autoreloader_gives_what_sockets_hold_back_at_a_stop
     """The server runs in a thread of the reloader's child, without signal handlers."""
     deployment, server, api = _runserver(tmp_path, "--max-attempts", "1", reload=True)
     try:
-        item = _post_when_up(api)
-        work_url = f"ws://{api.base_url.host}:{api.base_url.port}/work"
-        with connect(work_url, additional_headers={"Authorization": f"Bearer {deployment.token}"}) as worker:
-            worker.send(json.dumps({"op": "claim", "queue": "short"}))
-            assert [held["id"] for held in json.loads(worker.recv(timeout=30))["items"]] == [item["id"]]
+        with _holding_an_item(deployment, api) as item:
             os.killpg(server.pid, stop)  # as Ctrl-C reaches every process of the terminal's group
             server.wait(30)
             store = Store(deployment.data_dir, fsync=False)
@@ -155,6 +147,17 @@ def test_runserver_under_its_autoreloader_gives_what_sockets_hold_back_at_a_stop
             os.killpg(server.pid, signal.SIGKILL)
         server.communicate()
     assert (back.status, back.attempts) == ("pending", 1)
+
+
+@contextlib.contextmanager
+def _holding_an_item(deployment: Deployment, api: httpx.Client):
+    """An item posted, and held by a worker socket for the block."""
+    item = _post_when_up(api)
+    work_url = f"ws://{api.base_url.host}:{api.base_url.port}/work"
+    with connect(work_url, additional_headers={"Authorization": f"Bearer {deployment.token}"}) as worker:
+        worker.send(json.dumps({"op": "claim", "queue": "short"}))
+        assert [held["id"] for held in json.loads(worker.recv(timeout=30))["items"]] == [item["id"]]
+        yield item
 
 
 def _post_when_up(api: httpx.Client) -> dict:
