@@ -228,8 +228,9 @@ class ItemFiles:
     def publish(self, queue: str, items: Sequence[Item]) -> list[DueMark]:
         """Write new items and move them in, scheduled ones (with a `run_at`) into scheduled/ and
         the others into pending/: all of them on disk when it returns, or none of them left
-        behind when it raises. A batch's files are flushed before any is moved in, so a batch
-        shows whole or not at all, and a scheduled item's mark is on disk before the item shows;
+        behind when it raises (a process killed while it moves them in leaves those moved). A
+        batch's files are flushed before any is moved in, and a scheduled item's mark is on disk
+        before the item shows;
         a single pending item is moved in first and flushed there, which on some file systems
         (ext4 without a journal) also flushes the directory that names it, one flush fewer.
         An item's idempotency key is linked to its file before the item shows (call under the
