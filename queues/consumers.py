@@ -10,7 +10,6 @@ frame closes the socket: any error, expected or not, is answered with an error f
 import asyncio
 import json
 import logging
-import math
 import re
 import time
 from functools import partial
@@ -105,27 +104,6 @@ def ref_of_unread(data: str | bytes):
             except ValueError:
                 return None
     return None
-
-
-def _number_or_none(text: str) -> int | float | None:
-    try:
-        value = float(text) if any(c in text for c in ".eE") else int(text)
-    except ValueError:  # an integer of thousands of digits
-        return None
-    return value if math.isfinite(value) else None
-
-
-_READ_ANYWAY = json.JSONDecoder(parse_float=_number_or_none, parse_int=_number_or_none)
-
-
-def ref_despite_numbers(data: str | bytes):
-    """The ref of a frame refused for a number out of range (protocol.NumberOutOfRange), so its
-    answer still names it (None if the ref is such a number itself)."""
-    try:
-        frame = _READ_ANYWAY.decode(data if isinstance(data, str) else data.decode())
-    except ValueError:
-        return None
-    return frame.get("ref") if isinstance(frame, dict) else None
 
 
 def frame_too_large(size: int) -> PayloadTooLarge:
@@ -247,8 +225,8 @@ class WorkConsumer(AsyncWebsocketConsumer):
         except Exception as exc:
             if ref is None and isinstance(exc, PayloadTooLarge):  # too large to be parsed
                 ref = ref_of_unread(data)
-            elif ref is None and isinstance(exc, NumberOutOfRange):
-                ref = ref_despite_numbers(data)
+            elif ref is None and isinstance(exc, NumberOutOfRange) and isinstance(exc.value, dict):
+                ref = exc.value.get("ref")  # JSON after all: its answer names it
             await self.answer_error(ref, exc)
         finally:
             receiving.give_back(len(data))

@@ -33,25 +33,44 @@ def _refuse_constant(name: str):
 
 
 class NumberOutOfRange(InvalidRequest):
-    """A number JSON allows that no value here can hold: beyond a double's range (1e999 would be
-    stored, then answered as Infinity, which is not JSON) or an integer of thousands of digits."""
+    """JSON holding a number no value here can hold: beyond a double's range (1e999 would be
+    stored, then answered as Infinity, which is not JSON) or an integer of thousands of digits.
+    `value`: the JSON as read with such numbers as null (so an answer can still name its ref)."""
+
+    def __init__(self, message: str, value: Any = None):
+        super().__init__(message)
+        self.value = value
+
+
+class _OutOfRange(ValueError):
+    pass
 
 
 def _finite_float(text: str) -> float:
     value = float(text)
     if not math.isfinite(value):
-        raise NumberOutOfRange(f"the number {text[:40]} is out of range")
+        raise _OutOfRange(f"the number {text[:40]} is out of range")
     return value
 
 
-def _integer(text: str) -> int:
+def _float_or_none(text: str) -> float | None:
+    value = float(text)
+    return value if math.isfinite(value) else None
+
+
+def _integer_or_none(text: str) -> int | None:
     try:
         return int(text)
     except ValueError:  # over Python's limit on the digits of an integer read from text
-        raise NumberOutOfRange(f"an integer of {len(text)} digits is out of range") from None
+        return None
 
 
-_DECODER = json.JSONDecoder(parse_constant=_refuse_constant, parse_float=_finite_float, parse_int=_integer)
+# the default parse_int keeps the decoder's fast path for integers; one too long to read fails it
+# with a ValueError of its own (TOO_LONG), told apart from JSON that is not JSON
+_DECODER = json.JSONDecoder(parse_constant=_refuse_constant, parse_float=_finite_float)
+_OUT_OF_RANGE_AS_NULL = json.JSONDecoder(parse_constant=_refuse_constant, parse_float=_float_or_none,
+                                         parse_int=_integer_or_none)
+TOO_LONG = "integer string conversion"
 
 
 def bearer_token(authorization: str | None) -> str | None:
@@ -67,12 +86,24 @@ def claimed(items: list, max_attempts: int | None) -> list[dict]:
 
 
 def parse_json(raw: bytes) -> Any:
+    """The JSON value of a body or frame: InvalidJson if it is not JSON, NumberOutOfRange if it
+    is but holds a number no value here can hold."""
     try:
-        value = _DECODER.decode(raw.decode())  # JSON on the wire is UTF-8 (RFC 8259)
+        return _decoded(raw, _DECODER)
+    except InvalidJson as exc:
+        if not isinstance(exc.__cause__, _OutOfRange) and TOO_LONG not in str(exc.__cause__):
+            raise
+        value = _decoded(raw, _OUT_OF_RANGE_AS_NULL)  # JSON after all?
+        raise NumberOutOfRange(f"the body holds a number out of range: {exc.__cause__}"[:300], value) from None
+
+
+def _decoded(raw: bytes, decoder: json.JSONDecoder) -> Any:
+    try:
+        value = decoder.decode(raw.decode())  # JSON on the wire is UTF-8 (RFC 8259)
     except RecursionError:
         raise InvalidJson(f"the body cannot be read: {TOO_DEEP}") from None
     except ValueError as exc:  # also bad UTF-8
-        raise InvalidJson(f"the body is not valid JSON: {str(exc)[:200]}") from None
+        raise InvalidJson(f"the body is not valid JSON: {str(exc)[:200]}") from exc
     if raw.count(b"[") + raw.count(b"{") > MAX_DEPTH:  # else it cannot nest that deep: skip the walk
         _check_depth(value)
     return value

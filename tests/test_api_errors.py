@@ -62,7 +62,7 @@ def nested(depth: int):
 
 # nesting too deep is one error whatever the depth: 129 levels, or so many the parser gives up
 NOT_JSON = [b"", b"{", b'{"payload": }', b"NaN", b'{"payload": NaN}', b'{"payload": -Infinity}',
-            b'{"payload": "\xff"}', b"[" * 100_000,
+            b'{"payload": "\xff"}', b"[" * 100_000, b'{"payload": 1e999, ', b'{"payload": [1e999, NaN]}',
             b"{'payload': 1}", json.dumps({"payload": nested(128)}).encode(),
             json.dumps({"items": [{"payload": {"a": nested(127)}}]}).encode(), json.dumps(nested(129)).encode()]
 

@@ -285,6 +285,10 @@ BAD_FRAMES = [
     ("{not json", "invalid_json"),
     ('{"op": "claim", "queue": "jobs", "max": NaN}', "invalid_json"),
     ('{"op": "claim", "queue": "jobs", "max": Infinity}', "invalid_json"),
+    # a number out of range in what is not JSON after all: too deep, NaN, cut short
+    ('{"op": "claim", "max": 1e999, "x": ' + "[" * 5000 + "]" * 5000 + "}", "invalid_json"),
+    ('{"op": "claim", "max": 1e999, "ref": Infinity}', "invalid_json"),
+    ('{"op": "claim", "queue": "jobs", "max": 1e999, ', "invalid_json"),
     ("[" * 100_000, "invalid_json"),
     ("[1, 2]", "invalid_request"),
     ('"claim"', "invalid_request"),
