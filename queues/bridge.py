@@ -2,11 +2,9 @@
 
 Each server process runs one `ChannelBridge`: one channel for the whole process (not one per
 socket), added to a group per queue. What the in-process hub is told (items available, with a
-count and, where known, their ids; items terminal, with their ids; items canceled, with their ids
-and the claims canceled) is published to the queue's group; what other processes publish is fed
-into this process's hub with `local_only=True`, and our own messages are ignored. The ids of
-items made pending elsewhere go into this process's view of the queue first (`pending_seen`), so
-its claims take the oldest first across processes too.
+count; items terminal, with their ids; items canceled, with their ids and the claims canceled) is
+published to the queue's group; what other processes publish is fed into this process's hub with
+`local_only=True`, and our own messages are ignored.
 Wake-ups are hints: a lost one costs a waiter at most its one-second re-check of the disk.
 """
 
@@ -15,8 +13,8 @@ import logging
 import threading
 from collections.abc import Awaitable, Callable, Iterable
 
-from . import events, ids
-from .runtime import get_registry, get_store
+from . import events
+from .runtime import get_registry
 
 log = logging.getLogger(__name__)
 
@@ -46,10 +44,6 @@ async def open_channel(layer, what: str) -> str:
             await asyncio.sleep(RETRY_SECONDS)
 
 
-def into_the_store_view(queue: str, item_ids: list[str]) -> None:
-    get_store().saw_pending(queue=queue, item_ids=item_ids)
-
-
 class ChannelBridge:
     def __init__(
         self,
@@ -57,16 +51,14 @@ class ChannelBridge:
         *,
         hub: events.Hub = events.hub,
         queue_names: Callable[[], Awaitable[Iterable[str]]] = registered_queue_names,
-        pending_seen: Callable[[str, list[str]], None] = into_the_store_view,
     ):
         self.layer = layer
         self.hub = hub
         self.queue_names = queue_names
-        self.pending_seen = pending_seen
         self.channel: str | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._lock = threading.Lock()
-        self._available: dict[str, tuple[int, list[str]]] = {}  # queue -> (count, the ids known)
+        self._available: dict[str, int] = {}
         self._terminal: dict[str, list[str]] = {}
         self._canceled: dict[str, list[list]] = {}  # queue -> [id, claim token] pairs
         self._flush_scheduled = False
@@ -90,8 +82,7 @@ class ChannelBridge:
         event loop send it. Notifications made meanwhile are merged into one message per queue."""
         with self._lock:
             if kind == "available":
-                count, item_ids = self._available.get(queue, (0, []))
-                self._available[queue] = (count + payload[0], item_ids + payload[1])
+                self._available[queue] = self._available.get(queue, 0) + payload
             else:
                 (self._terminal if kind == "terminal" else self._canceled).setdefault(queue, []).extend(payload)
             schedule, self._flush_scheduled = not self._flush_scheduled, True
@@ -107,8 +98,8 @@ class ChannelBridge:
                 terminal, self._terminal = self._terminal, {}
                 canceled, self._canceled = self._canceled, {}
                 self._flush_scheduled = False
-            for queue, (count, item_ids) in available.items():
-                await self._send(queue, {"kind": "available", "count": count, "ids": item_ids})
+            for queue, count in available.items():
+                await self._send(queue, {"kind": "available", "count": count})
             for queue, item_ids in terminal.items():
                 await self._send(queue, {"kind": "terminal", "ids": item_ids})
             for queue, item_ids in canceled.items():
@@ -137,13 +128,6 @@ class ChannelBridge:
         if not isinstance(queue, str):
             return
         if kind == "available" and isinstance(message.get("count"), int):
-            sent = message.get("ids")
-            item_ids = [i for i in sent if ids.is_valid_id(i)] if isinstance(sent, list) else []
-            if item_ids:
-                try:
-                    self.pending_seen(queue, item_ids)
-                except Exception:  # a hint: a claim finds them by listing anyway
-                    log.warning("cannot put items of queue %s in view", queue, exc_info=True)
             self.hub.items_available(queue, message["count"], local_only=True)
         elif kind == "terminal" and isinstance(message.get("ids"), list):
             self.hub.items_terminal(queue, message["ids"], local_only=True)

@@ -14,7 +14,7 @@ feed theirs back in with `local_only=True`.
 import asyncio
 import threading
 from collections import defaultdict, deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
 
@@ -52,12 +52,9 @@ class Hub:
         self._holders: dict[tuple[str, str], tuple[str, Callable[[str, str], None]]] = {}  # held item -> (claim, told)
         self.bridge: Bridge | None = None
 
-    def items_available(self, queue: str, count: int = 1, *, item_ids: Sequence[str] = (),
-                        local_only: bool = False) -> int:
+    def items_available(self, queue: str, count: int = 1, *, local_only: bool = False) -> int:
         """Items were posted or re-queued: wake at most `count` waiting claims, oldest first
-        (no thundering herd: the rest keep waiting). How many of this process's it woke.
-        `item_ids`, when known, go to the other processes, to put in their view of the queue
-        before they wake their claims: so their claims too take the oldest first."""
+        (no thundering herd: the rest keep waiting). How many of this process's it woke."""
         with self._lock:
             self._available_events[queue] += 1
             waiters = self._claim_waiters.get(queue)
@@ -69,7 +66,7 @@ class Hub:
         for future in woken:
             _wake_soon(future)
         if self.bridge is not None and not local_only:
-            self.bridge.publish("available", queue, (count, list(item_ids)))
+            self.bridge.publish("available", queue, count)
         return len(woken)
 
     def items_terminal(self, queue: str, item_ids: Iterable[str], *, local_only: bool = False) -> None:

@@ -6,7 +6,6 @@ import json
 import os
 import shutil
 import threading
-import time
 from concurrent.futures import Future
 from contextlib import asynccontextmanager
 
@@ -21,7 +20,7 @@ from queues.events import Hub, hub
 from queues.models import ApiToken
 from queues.runtime import get_registry, get_store, run
 from queues.services import save_queue
-from queues.store import NewItem, QueueConfig, Release, Store, files, turn
+from queues.store import NewItem, QueueConfig, Release, files, turn
 from taskhoster_site.asgi import application
 from storekit import finish, post_batch, release
 
@@ -29,7 +28,6 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 TIMEOUT = 3
 MISSING_ID = "0193a4b2-7c1e-7d3a-9f00-2b6c1d0e4f55"  # the form of an id, never posted
-OTHER_ID = "0193a4b2-7c1e-7d3a-9f00-2b6c1d0e4f56"
 
 
 def make_token(*, queues=(), produce=True, work=True) -> str:
@@ -665,20 +663,15 @@ async def test_disconnect_cancels_waiting_claims(token):
 
 
 @asynccontextmanager
-async def bridged_hubs(count: int = 2, *, seen: list | None = None):
-    """`count` hubs, each with its own bridge on one shared layer, as in `count` processes; the
-    ids of items another made pending go to `seen` (hub number, queue, ids), else to the store."""
+async def bridged_hubs(count: int = 2):
+    """`count` hubs, each with its own bridge on one shared layer, as in `count` processes."""
     layer = InMemoryChannelLayer()
     hubs = [Hub() for _ in range(count)]
 
     async def names():
         return ["jobs"]
 
-    def seen_by(number: int) -> dict:
-        return {} if seen is None else {"pending_seen": lambda queue, ids: seen.append((number, queue, ids))}
-
-    bridges = [ChannelBridge(layer, hub=h, queue_names=names, **seen_by(n)) for n, h in enumerate(hubs)]
-
+    bridges = [ChannelBridge(layer, hub=h, queue_names=names) for h in hubs]
     tasks = [asyncio.create_task(b.run()) for b in bridges]
     while len(layer.groups.get(group_name("jobs"), {})) < count:
         await asyncio.sleep(0.01)
@@ -729,45 +722,6 @@ async def test_the_bridge_wakes_claims_waiting_in_another_process_as_many_as_ite
         await asyncio.sleep(0.05)
         here.items_available("jobs", 2)
         assert sorted(await asyncio.gather(*waiters)) == [False, True, True]
-
-
-async def test_the_ids_of_items_made_pending_reach_the_other_process_before_its_claims_wake():
-    seen = []
-    async with bridged_hubs(seen=seen) as (here, there):
-        waiter = asyncio.create_task(there.wait_available("jobs", TIMEOUT))
-        await asyncio.sleep(0.05)
-        woken_after = []
-        waiter.add_done_callback(lambda _: woken_after.append(list(seen)))
-        here.items_available("jobs", 2, item_ids=[MISSING_ID, OTHER_ID])
-        assert await waiter
-        assert woken_after == [[(1, "jobs", [MISSING_ID, OTHER_ID])]]
-
-
-async def test_the_ids_of_items_made_pending_elsewhere_come_into_this_process_s_view_oldest_first(token):
-    """Another process posted the older item after this one listed the queue: a claim here takes
-    it before the one posted here."""
-    [newer] = post("jobs", "newer")
-    elsewhere = Store(get_store().data_dir, fsync=False, clock=lambda: time.time() - 60)
-    [older] = [item.id for item in post_batch(elsewhere, "jobs", ["older"])]
-    async with bridged_hubs() as (here, there):
-        told = asyncio.create_task(there.wait_available("jobs", TIMEOUT))
-        await asyncio.sleep(0.05)
-        here.items_available("jobs", 1, item_ids=[older])
-        assert await told  # woken once the ids are in view
-    async with connected(token) as ws:
-        claimed = await ask(ws, {"op": "claim", "queue": "jobs", "max": 2})
-    assert [item["id"] for item in claimed["items"]] == [older, newer]
-
-
-@pytest.mark.parametrize("sent", [None, 3, "0193a4b2-7c1e-7d3a-9f00-2b6c1d0e4f55", ["not an id", 7, None]])
-async def test_a_wake_up_with_ids_that_are_not_ids_still_wakes(sent):
-    seen = []
-    async with bridged_hubs(seen=seen) as (here, there):
-        waiter = asyncio.create_task(there.wait_available("jobs", TIMEOUT))
-        await asyncio.sleep(0.05)
-        there.bridge._deliver({"queue": "jobs", "kind": "available", "count": 1, "ids": sent})
-        assert await waiter
-    assert seen == []
 
 
 async def test_the_bridge_wakes_reads_waiting_in_another_process():

@@ -202,7 +202,7 @@ def test_many_items_due_at_once_are_promoted_in_chunks_each_claimable_at_once(tm
     pushed = []
 
     class Events(NoEvents):
-        def items_available(self, queue, count, item_ids=()):
+        def items_available(self, queue, count):
             pushed.append(count)
 
     monkeypatch.setattr(transitions, "PROMOTE_CHUNK", 3)
@@ -428,7 +428,7 @@ def test_a_release_promoted_at_once_tells_waiting_claims_once(tmp_path, clock, c
     told = []
 
     class Events(NoEvents):
-        def items_available(self, queue, count, item_ids=()):
+        def items_available(self, queue, count):
             told.append(count)
 
     store = Store(tmp_path / "data", fsync=False, clock=clock, events=Events())
@@ -704,7 +704,7 @@ def test_a_cancel_ends_an_item_that_has_not_ended_and_refuses_later_results(tmp_
     told = []
 
     class Events:
-        def items_available(self, queue, count, item_ids=()):
+        def items_available(self, queue, count):
             pass
 
         def items_terminal(self, queue, item_ids):

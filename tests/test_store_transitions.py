@@ -82,7 +82,7 @@ def test_a_post_tells_waiting_claims_once_its_items_can_be_claimed(tmp_path, clo
     told = []
 
     class Events:
-        def items_available(self, queue, count, item_ids=()):
+        def items_available(self, queue, count):
             told.append((queue, count, files_in(store, "pending")))
 
         def items_terminal(self, queue, item_ids):
@@ -101,7 +101,7 @@ def test_those_told_an_item_ended_find_it_in_one_state(tmp_path, clock, config):
     told = []
 
     class Events:
-        def items_available(self, queue, count, item_ids=()):
+        def items_available(self, queue, count):
             pass
 
         def items_terminal(self, queue, item_ids):
@@ -743,7 +743,7 @@ def test_a_single_post_may_be_claimed_while_it_is_flushed(tmp_path, clock, confi
     told = []
 
     class Events:
-        def items_available(self, queue, count, item_ids=()):
+        def items_available(self, queue, count):
             told.append(count)
 
         def items_terminal(self, queue, item_ids):
@@ -785,7 +785,7 @@ def test_a_claim_never_waits_for_a_large_directory_to_be_listed(tmp_path, clock,
         return real_listing(index)
 
     class Events:
-        def items_available(self, queue, count, item_ids=()):
+        def items_available(self, queue, count):
             told.set()
 
         def items_terminal(self, queue, item_ids):

@@ -83,7 +83,7 @@ class Heard:
     def __init__(self):
         self.heard = []
 
-    def items_available(self, queue, count, item_ids=()):
+    def items_available(self, queue, count):
         self.heard.append(("available", queue, count))
 
     def items_terminal(self, queue, item_ids):

@@ -40,9 +40,8 @@ class Events(Protocol):
     """Told of items that may be claimed now, of items that just ended, and of a processing item
     canceled (so the socket holding it can tell its worker)."""
 
-    def items_available(self, queue: str, count: int, *, item_ids: Sequence[str] = ()) -> int | None:
-        """How many waiting claims of this process it woke (None: not known). `item_ids`: the
-        items, when known."""
+    def items_available(self, queue: str, count: int) -> int | None:
+        """How many waiting claims of this process it woke (None: not known)."""
 
     def items_terminal(self, queue: str, item_ids: list[str]) -> None: ...
 
@@ -50,7 +49,7 @@ class Events(Protocol):
 
 
 class NoEvents:
-    def items_available(self, queue: str, count: int, *, item_ids: Sequence[str] = ()) -> None:
+    def items_available(self, queue: str, count: int) -> None:
         pass
 
     def items_terminal(self, queue: str, item_ids: list[str]) -> None:
@@ -283,7 +282,7 @@ class ItemFiles:
     def _claimable(self, queue: str, item_ids: list[str]) -> None:
         if item_ids:
             self.index(queue).push(item_ids)
-            if self.events.items_available(queue, len(item_ids), item_ids=item_ids):
+            if self.events.items_available(queue, len(item_ids)):
                 turn.let_woken_go_first()
 
     def _publish_one(self, queue: str, item: Item) -> None:

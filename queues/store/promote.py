@@ -32,7 +32,7 @@ def promote(items: ItemFiles, config: QueueConfig, marks: list[DueMark], now: fl
     if moved:  # on disk before their marks go, so none is left without both
         items.flush_states(queue, "pending", "scheduled")
         items.index(queue).push(moved)
-        items.events.items_available(queue, len(moved), item_ids=moved)
+        items.events.items_available(queue, len(moved))
     for mark in spent:
         files.remove(mark.path)
     return moved

@@ -42,7 +42,7 @@ def sweep_queue(items: ItemFiles, config: QueueConfig) -> SweepChanges:
     deleted = _delete_expired(items, config, listing["done"])
     tmp_removed = _remove_leftovers(items, queue, set(listing["done"]))
     if requeued:
-        items.events.items_available(queue, len(requeued), item_ids=requeued)
+        items.events.items_available(queue, len(requeued))
     return SweepChanges(repaired, failed + ended, requeued, deleted, tmp_removed)
 
 

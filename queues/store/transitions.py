@@ -14,7 +14,7 @@ StorageUnavailable (or gives it as that item's outcome in a batch).
 import logging
 import secrets
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -411,7 +411,7 @@ class Store:
         token given must still hold its item, else NotHeld. Each release's outcome in order: the
         item as it is now, or the error."""
         outcomes: list[Item | TaskhosterError] = []
-        requeued: defaultdict[str, list[str]] = defaultdict(list)
+        requeued: Counter[str] = Counter()
         for release in releases:
             queue = release.config.name
             try:
@@ -429,10 +429,10 @@ class Store:
                 continue
             outcomes.append(back)
             # one released with a delay and pending already was promoted, and waiters told, then
-            if back.status == "pending" and release.delay <= 0:
-                requeued[queue].append(back.id)
-        for queue, item_ids in requeued.items():
-            self._items.events.items_available(queue, len(item_ids), item_ids=item_ids)
+            requeued[queue] += back.status == "pending" and release.delay <= 0
+        for queue, count in requeued.items():
+            if count:
+                self._items.events.items_available(queue, count)
         return outcomes
 
     def extend_lease(self, *, queue: str, item_id: str, seconds: float, claim_token: str | None = None) -> Item:
@@ -571,12 +571,6 @@ class Store:
             pass
         except OSError:
             log.warning("could not mark item %s of %s fetched", item_id, queue, exc_info=True)
-
-    def saw_pending(self, *, queue: str, item_ids: list[str]) -> None:
-        """Items another process made pending: in view for this process's claims at once, in
-        their order among the others (the disk is the truth: one claimed meanwhile is skipped)."""
-        if is_valid_queue_name(queue):
-            self._items.index(queue).push(item_ids)
 
     # ---- the sweep, counts and listings -----------------------------------------------------
 
