@@ -348,12 +348,13 @@ def test_a_post_killed_after_a_look_found_its_mark_before_its_item_leaves_the_it
     assert states_of(store, item_id) == ["pending"] and due_marks(store) == []
 
 
-def test_a_mark_whose_item_never_came_is_a_leftover_after_an_hour(store, clock, config):
+@pytest.mark.parametrize("at_run_at", [True, False], ids=["moved unread", "read first"])
+def test_a_mark_whose_item_never_came_is_a_leftover_after_an_hour(store, clock, config, at_run_at):
     """Its maker was killed after it wrote the mark and before it moved the item in."""
     store.ensure_queue(Q)
     (item_id,) = ids.IdMaker().new_ids(1, clock.now)
     run_at = clock.now + 1
-    store._items.schedule.mark(Q, item_id, run_at, at_run_at=True)
+    store._items.schedule.mark(Q, item_id, run_at, at_run_at=at_run_at)
     clock.now = run_at
     assert store.promote_due(config=config) == [] and len(due_marks(store)) == 1  # it may yet come
     clock.now = run_at + STALE_SECONDS

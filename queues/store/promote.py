@@ -7,6 +7,7 @@ look, so the item is promoted even if its maker dies before it checks; a mark wh
 came is a leftover after STALE_SECONDS."""
 
 import logging
+from enum import Enum
 
 from .. import ids
 from . import files
@@ -25,9 +26,9 @@ def promote(items: ItemFiles, config: QueueConfig, marks: list[DueMark], now: fl
     for mark in marks:
         with items.lock(queue, mark.item_id):
             outcome = _promote_one(items, config, mark, now)
-        if outcome is not _COMING:
+        if outcome is not Outcome.COMING:
             spent.append(mark)
-        if outcome is True:
+        if outcome is Outcome.MOVED:
             moved.append(mark.item_id)
     if moved:  # on disk before their marks go, so none is left without both
         items.flush_states(queue, "pending", "scheduled")
@@ -39,21 +40,13 @@ def promote(items: ItemFiles, config: QueueConfig, marks: list[DueMark], now: fl
 
 
 def promote_if_due(items: ItemFiles, config: QueueConfig, marks: list[DueMark]) -> set[str]:
-    """Call once the items of these marks are in scheduled/: a mark a look removed as stale
-    (due, with no item there yet) is made again, and the items whose marks are due already are
-    promoted now; the ids promoted. A failure is logged, not raised: the post or release that
-    scheduled them stands, and their marks bring them to a later look."""
+    """Call once the items of these marks are in scheduled/: the items whose marks are due
+    already are promoted now (a look may have passed their marks' slots for good); the ids
+    promoted. A failure is logged, not raised: the post or release that scheduled them stands,
+    and their marks bring them to a later look."""
     if not marks:
         return set()
     try:
-        # a mark missing while its item is in scheduled/ was removed as stale; one missing with
-        # its item moved on went with a promotion, and is not made again
-        gone = [mark for mark in marks if not files.exists(mark.path)
-                and files.exists(items.layout.item(config.name, "scheduled", mark.item_id))]
-        for mark in gone:
-            items.schedule.write(mark)
-        if gone:
-            items.flush(*items.schedule.directories(config.name, gone))
         now = items.clock()
         due = [mark for mark in marks if mark.due <= now]
         return set(promote(items, config, due, now)) if due else set()
@@ -62,44 +55,51 @@ def promote_if_due(items: ItemFiles, config: QueueConfig, marks: list[DueMark]) 
         return set()
 
 
-_COMING = "coming"  # the item is not in scheduled/ yet: its mark stays for a later look
+class Outcome(Enum):
+    """What became of a due mark's item."""
+
+    MOVED = "moved to pending"
+    SPENT = "ended, or moved on before: the mark is spent"
+    COMING = "not in scheduled/ yet: the mark stays for a later look"
 
 
-def _promote_one(items: ItemFiles, config: QueueConfig, mark: DueMark, now: float) -> bool | str:
-    """Promote one scheduled item whose mark came due (under its lock); whether it went to
-    pending, or _COMING. An item due at its runAt, and not aged out by its id's time, moves
-    unread."""
+def _promote_one(items: ItemFiles, config: QueueConfig, mark: DueMark, now: float) -> Outcome:
+    """Promote one scheduled item whose mark came due (under its lock). An item due at its
+    runAt, and not aged out by its id's time, moves unread."""
     queue, layout, item_id = config.name, items.layout, mark.item_id
     scheduled = layout.item(queue, "scheduled", item_id)
     if files.exists(layout.item(queue, "done", item_id)):
         files.remove(scheduled)  # a copy a crash left, if any: done wins
-        return False
+        return Outcome.SPENT
     if mark.at_run_at and now - ids.id_millis(item_id) / 1000 <= config.queue_seconds:
         try:
             files.move(scheduled, layout.item(queue, "pending", item_id))
         except FileNotFoundError:
-            return _COMING if _may_be_coming(items, queue, mark, now) else False
-        return True
+            return _missing(items, queue, mark, now)
+        return Outcome.MOVED
     item = items.read(queue, "scheduled", item_id)
-    if item is None:
-        return False
+    if item is None:  # not there (yet), or not an item (quarantined)
+        return _missing(items, queue, mark, now)
     if now - item.posted_at > config.queue_seconds:
         items.end(queue, "scheduled", timed_out(item, now))
-        return False
+        return Outcome.SPENT
     if item.run_at is not None and item.run_at > now:
         # marked for its queue timeout, which was raised since: due at its run_at again
         again = items.schedule.mark(queue, item_id, item.run_at, at_run_at=True)
         items.flush(*items.schedule.directories(queue, [again]))
         if again.due > items.clock():
-            return False
+            return Outcome.SPENT
         files.remove(again.path)  # due already, as any mark made meanwhile: moved by its maker
     files.move(scheduled, layout.item(queue, "pending", item_id))
-    return True
+    return Outcome.MOVED
 
 
-def _may_be_coming(items: ItemFiles, queue: str, mark: DueMark, now: float) -> bool:
-    """Whether an item missing from scheduled/ may be on its way there: in no later state (where
-    a promotion or an end took it), and its mark not a leftover."""
+def _missing(items: ItemFiles, queue: str, mark: DueMark, now: float) -> Outcome:
+    """An item not in scheduled/ may be on its way there: unless it is in a later state (where a
+    promotion or an end took it), or its mark is a leftover."""
     if now - mark.due >= STALE_SECONDS:
-        return False
-    return not any(files.exists(items.layout.item(queue, state, mark.item_id)) for state in ("pending", "processing", "done"))
+        return Outcome.SPENT
+    later = ("pending", "processing", "done")
+    if any(files.exists(items.layout.item(queue, state, mark.item_id)) for state in later):
+        return Outcome.SPENT
+    return Outcome.COMING

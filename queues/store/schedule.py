@@ -56,17 +56,11 @@ class Schedule:
         item's runAt."""
         due_ms = math.ceil(due * 1000)  # the millisecond at or after it: an item never comes due early
         path = self.layout.due_mark(queue, due_ms, item_id) + ("" if at_run_at else READ_SUFFIX)
-        mark = DueMark(due_ms / 1000, item_id, path, at_run_at)
-        self.write(mark)
-        return mark
-
-    @staticmethod
-    def write(mark: DueMark) -> None:
-        """Make the file of a mark (again, where a look removed it), not yet flushed."""
         try:
-            files.write_new(mark.path, b"")
-        except FileExistsError:
+            files.write_new(path, b"")
+        except FileExistsError:  # made already: for this item, due then
             pass
+        return DueMark(due_ms / 1000, item_id, path, at_run_at)
 
     def directories(self, queue: str, marks: list[DueMark]) -> list[str]:
         """What to flush so that these marks survive a power cut: their slots, and schedule/,

@@ -1,7 +1,7 @@
-"""Counts and listings: what the API's queue figures and the dashboard's lists show. Counts list
+"""Counts and listings: what the API's queue figures and the dashboard's lists show. Both list
 names (a failed item is told from a finished one by its mark in failed/, an error result by its
-mark in errors/) and read only the files they have not met before (`ReadNames`); a listing reads
-just the files of the page it shows."""
+mark in errors/) and read the files this process has not met before, once (`ReadNames`); a
+listing then reads the files of the page it shows."""
 
 import heapq
 import threading
