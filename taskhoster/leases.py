@@ -23,7 +23,11 @@ async def release(link: Link, job: Job, *, delay: float = 0, error: Any = None) 
     except (ApiError, LinkClosed) as exc:
         # not held any more, the socket closed (its items are back in their queues), or the
         # server could not make it for now: none of it is for the caller to mend
-        log.info("release of %s %s not taken (%s)", job.queue, job.id, exc or "socket closed")
+        _not_taken(job, exc)
+
+
+def _not_taken(job: Job, exc: Exception) -> None:
+    log.info("release of %s %s not taken (%s)", job.queue, job.id, exc or "socket closed")
 
 
 async def _ask_release(link: Link, job: Job, *, delay: float, error: Any) -> None:
@@ -109,13 +113,13 @@ class Leases:
                 return
             except ApiError as exc:
                 if exc.code not in PASSING_CODES or lease.link.closed:
-                    log.info("release of %s %s not taken (%s)", lease.job.queue, item_id, exc)
+                    _not_taken(lease.job, exc)
                     return
                 pause = min(RELEASE_RETRY_SECONDS, lease.job.lease_seconds / 8)
                 log.warning("could not release %s %s (%s); trying again in %g s", lease.job.queue, item_id, exc, pause)
                 await asyncio.sleep(pause)
             except LinkClosed as exc:  # its items are back in their queues
-                log.info("release of %s %s not taken (%s)", lease.job.queue, item_id, exc or "socket closed")
+                _not_taken(lease.job, exc)
                 return
 
     def _set_timer(self, when: float) -> None:

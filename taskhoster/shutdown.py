@@ -50,9 +50,9 @@ class Shutdown:
         if not self._hurry.is_set():
             await self._until(lambda: not self._unsent(), DRAIN_SECONDS)
         if self._unsent():
-            # their items go back to their queues when the socket closes, and run again
-            log.warning("stopping with %d results the server has not taken; their items will be worked again",
-                        self._unsent())
+            # their items go back to their queues when the socket closes
+            log.warning("stopping with %d results the server has not taken: their items go back to their queues, "
+                        "to be worked again (or end max_attempts, if that was their last try)", self._unsent())
         self._finished.set()
 
     async def _until(self, condition: Callable[[], bool], seconds: float) -> None:

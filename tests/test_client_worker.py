@@ -278,7 +278,7 @@ def test_a_release_the_server_could_not_make_for_now_goes_again(live, producer, 
 
     async def refusing_at_first(self, frame, **options):
         if isinstance(frame, dict) and frame.get("op") == "release" and len(refused) < 2:
-            refused.append(frame["delay"])
+            refused.append(frame.get("delay", 0.0))  # none once the wait has used it up
             raise api_error(code, "not now")
         return await request(self, frame, **options)
 
@@ -292,7 +292,7 @@ def test_a_release_the_server_could_not_make_for_now_goes_again(live, producer, 
     item = producer.post(queue, "x")
     with working(Worker(live.url, live.token, queues=[queue], on_error="retry", retry_base=2), flaky):
         assert producer.result(queue, item["id"], timeout=20) == {"done on attempt": 2, "lastError": "ConnectionError"}
-    assert len(refused) == 2 and refused[1] <= refused[0] - 0.2
+    assert len(refused) == 2 and (refused[1] <= refused[0] - 0.2 or refused[1] == 0.0)
 
 
 @pytest.mark.parametrize("kind", ["plain", "async"])
@@ -711,7 +711,7 @@ def test_a_stop_that_ends_with_results_the_server_never_took_says_so(live, produ
     with working(worker, lambda payload, job: handled.set()):
         assert handled.wait(20)
         worker.stop()
-    assert "stopping with 1 results the server has not taken" in caplog.text
+    assert "stopping with 1 results the server has not taken: their items go back" in caplog.text
     wait_until(lambda: producer.get("unstored-drop", item["id"])["status"] == "pending", what="the item back")
 
 
