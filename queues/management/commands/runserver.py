@@ -20,12 +20,14 @@ from daphne.management.commands.runserver import Command as DaphneRunserver
 from django.utils import autoreload
 from twisted.internet import reactor
 
-from queues.runtime import server_stopping
+from queues.runtime import TRANSITIONS_END_SECONDS, server_stopping
 from queues.serving import start_sweeper
 from queues.serving.limits import finish_leftover_tasks
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-STOP_SECONDS = 15.0  # what the server's thread gets to give back what its sockets hold
+# what the server's thread gets to give back what its sockets hold: changes under way end within
+# TRANSITIONS_END_SECONDS, twice at most (a cut request's, then the stop's own wait)
+STOP_SECONDS = 2 * TRANSITIONS_END_SECONDS + 5
 RELOAD_EXIT = 3  # the child's exit status that asks for a new child (Django's)
 
 
@@ -49,8 +51,7 @@ class Command(DaphneRunserver):
 
     def _serve_beside_the_reloader(self, options) -> None:
         def stopping(sig, frame):
-            for each in STOP_SIGNALS:
-                signal.signal(each, signal.SIG_IGN)
+            _ignore_stop_signals()
             raise _Stop
 
         for sig in STOP_SIGNALS:
@@ -62,6 +63,7 @@ class Command(DaphneRunserver):
         except _Stop:
             pass
         finally:  # stopped, or a reload (which exits RELOAD_EXIT)
+            _ignore_stop_signals()  # this stop is under way
             server = next((t for t in threading.enumerate() if t.name == "django-main-thread"), None)
             if server is not None and reactor.running:
                 reactor.callFromThread(reactor.stop)
@@ -83,19 +85,31 @@ class Command(DaphneRunserver):
                 thread.join(1.0)
 
 
+def _ignore_stop_signals() -> None:
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+
+
 def _restart_while_reloading() -> int:
     """Django's reloader loop: the server in a child process, made again each time it exits
-    RELOAD_EXIT; a stop signal is passed on to the child, whose exit status is returned."""
+    RELOAD_EXIT; a stop signal is passed on to the child (one that comes before the child is
+    made stops the loop there), whose exit status is returned."""
     environ = {**os.environ, autoreload.DJANGO_AUTORELOAD_ENV: "true"}
-    while True:
-        child = subprocess.Popen(autoreload.get_child_arguments(), env=environ, close_fds=False)
+    child: list[subprocess.Popen] = []  # the one running
+    asked: list[int] = []
 
-        def pass_on(sig, frame, child=child):
-            if child.poll() is None:
-                child.send_signal(sig)
+    def pass_on(sig, frame):
+        asked.append(sig)
+        if child and child[0].poll() is None:
+            child[0].send_signal(sig)
 
-        for sig in STOP_SIGNALS:
-            signal.signal(sig, pass_on)
-        status = child.wait()
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, pass_on)
+    while not asked:
+        child[:] = [subprocess.Popen(autoreload.get_child_arguments(), env=environ, close_fds=False)]
+        if asked:  # came while the child was being made
+            child[0].send_signal(asked[0])
+        status = child[0].wait()
         if status != RELOAD_EXIT:
             return status
+    return 0
