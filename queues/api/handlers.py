@@ -83,19 +83,23 @@ async def _changed(call, /, **kwargs):
         return await asyncio.shield(changing)
     except asyncio.CancelledError:
         if not await _ended_within(changing, TRANSITIONS_END_SECONDS):
-            changing.cancel()  # one still waiting for a store thread then never runs: 503 is true
+            # one still waiting for a store thread then never runs, and its 503 is true; one
+            # that began still ends, and its request is answered 503 all the same
+            changing.cancel()
             raise
+        asyncio.current_task().uncancel()  # the cut is over: answered, not cancelled
         return changing.result()
 
 
 async def _ended_within(future: asyncio.Future, seconds: float) -> bool:
-    loop = asyncio.get_running_loop()
+    """Whether `future` ends within `seconds`, waited for through any further cut."""
+    loop, task = asyncio.get_running_loop(), asyncio.current_task()
     deadline = loop.time() + seconds
     while not future.done() and (left := deadline - loop.time()) > 0:
         try:
             await asyncio.wait([future], timeout=left)
         except asyncio.CancelledError:  # cut again: the change still ends on its own
-            continue
+            task.uncancel()
     return future.done()
 
 
