@@ -101,6 +101,7 @@ async def test_a_number_out_of_range_is_invalid_request(api, processing_id, toke
     assert_error(answer, 400, "invalid_request", before)
     assert "out of range" in answer.json()["message"]
 
+
 BAD_POSTS = [[], "x", 1, None, {}, {"payload": 1, "items": [{"payload": 1}]}, {"payload": 1, "extra": 2},
              {"items": {}}, {"items": "x"}, {"items": []}, {"items": [1]}, {"items": [{}]}, {"items": [None]},
              {"items": [{"payload": 1, "x": 2}]}, {"items": [{"payload": n} for n in range(1001)]},

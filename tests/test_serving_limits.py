@@ -6,6 +6,7 @@ The servers start with a descriptor limit of their own (soft SOFT_LIMIT, hard HA
 the cap these tests meet is the same on every machine.
 """
 
+import asyncio
 import functools
 import json
 import re
@@ -20,7 +21,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from queues.serving import HEAD_TIMEOUT_SECONDS, MAX_HEAD_BYTES, SERVERS, max_connections
+from queues.serving import HEAD_TIMEOUT_SECONDS, MAX_HEAD_BYTES, SERVERS, limits, max_connections
+from queues.store import turn
 from serverproc import Deployment
 
 SOFT_LIMIT, HARD_LIMIT = 1024, 4096
@@ -248,3 +250,19 @@ def test_a_request_head_over_the_limit_is_refused(server):
     # answered 431, or reset before the answer was read, as the rest of the head was still coming
     assert answer is None or answer.startswith(b"HTTP/1.1 431 "), answer[:200]
     assert api_answers(server)
+
+
+def test_a_stop_that_ends_without_a_transition_says_so(monkeypatch, caplog):
+    """finish_leftover_tasks waits TRANSITIONS_END_SECONDS for transitions the disk holds up."""
+
+    async def still_running(timeout):
+        return False
+
+    monkeypatch.setattr(turn, "transitions_ended", still_running)
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)  # as the servers run it
+    try:
+        limits.finish_leftover_tasks(loop)
+    finally:
+        asyncio.set_event_loop(None)
+    assert "store transitions still wait for the disk" in caplog.text

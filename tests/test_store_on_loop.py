@@ -677,21 +677,3 @@ async def test_posts_whose_shared_directory_flush_fails_all_fail_and_none_is_lef
     assert all(isinstance(outcome, StorageUnavailable) for outcome in outcomes), outcomes
     counts = store.count_items(queue=Q)
     assert (counts.pending, counts.processing, counts.finished, counts.failed) == (0, 0, 0, 0)
-
-
-
-def test_a_stop_that_ends_without_a_transition_says_so(monkeypatch, caplog):
-    """finish_leftover_tasks waits TRANSITIONS_END_SECONDS for transitions the disk holds up."""
-    from queues.serving import limits
-
-    async def still_running(timeout):
-        return False
-
-    monkeypatch.setattr(turn, "transitions_ended", still_running)
-    loop = asyncio.new_event_loop()
-    asyncio.set_event_loop(loop)  # as the servers run it
-    try:
-        limits.finish_leftover_tasks(loop)
-    finally:
-        asyncio.set_event_loop(None)
-    assert "store transitions still wait for the disk" in caplog.text
