@@ -15,8 +15,9 @@ from .records import Counts, Item
 _SUFFIX = len(ITEM_SUFFIX)
 
 
-# A state holding more names than this is counted by its names alone: reading them all would
-# hold up the count, and remembering them would cost more memory than the count is worth.
+# A state holding more names than this is counted by its names alone (stray names too, until the
+# sweep moves them): reading them all would hold up the count, and remembering them would cost
+# more memory than the count is worth.
 MAX_READ_NAMES = 20_000
 
 
@@ -32,9 +33,9 @@ class ReadNames:
     def items_in(self, items: ItemFiles, queue: str, state: str) -> list[str]:
         """The ids of the items in `state`/: its names that are ids of item files."""
         names = [name[:-_SUFFIX] for name in files.names(items.layout.directory(queue, state)) if name.endswith(ITEM_SUFFIX)]
+        if len(names) > MAX_READ_NAMES:
+            return names
         item_ids = [name for name in names if ids.is_valid_id(name)]  # a stray name: the sweep moves it
-        if len(item_ids) > MAX_READ_NAMES:
-            return item_ids
         with self._lock:
             read = self._read.get((queue, state), set())
         # None: not an item (quarantined now), or moved on since the listing
@@ -58,6 +59,8 @@ def count_items(items: ItemFiles, read_names: ReadNames, queue: str) -> Counts:
     failed = len(set(files.names(layout.directory(queue, "failed"))).intersection(done))
     errors = len(set(files.names(layout.directory(queue, "errors"))).intersection(done))
     oldest = min(pending, default=None)
+    if oldest is not None and not ids.is_valid_id(oldest):  # a stray name in a big state
+        oldest = min((i for i in pending if ids.is_valid_id(i)), default=None)
     return Counts(
         scheduled=scheduled,
         pending=len(pending),
@@ -81,5 +84,5 @@ def list_items(items: ItemFiles, read_names: ReadNames, queue: str, state: str, 
         item_ids = [item_id for item_id in item_ids if (item_id in failed) == (status == "failed")]
     # the newest offset+limit names only: a full sort of a million names costs far more
     newest = heapq.nlargest(offset + limit, item_ids)[offset:]
-    page = [items.read(queue, state, item_id) for item_id in newest]
+    page = [items.read(queue, state, item_id) for item_id in newest if ids.is_valid_id(item_id)]  # strays of a big state
     return len(item_ids), [item for item in page if item is not None]  # None: moved on meanwhile
