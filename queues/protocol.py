@@ -43,7 +43,7 @@ class NumberOutOfRange(InvalidRequest):
 
 
 class _OutOfRange(ValueError):
-    pass
+    """A float beyond a double's range, found by the first, strict read."""
 
 
 def _finite_float(text: str) -> float:
@@ -94,7 +94,8 @@ def parse_json(raw: bytes) -> Any:
         if not isinstance(exc.__cause__, _OutOfRange) and TOO_LONG not in str(exc.__cause__):
             raise
         value = _decoded(raw, _OUT_OF_RANGE_AS_NULL)  # JSON after all?
-        raise NumberOutOfRange(f"the body holds a number out of range: {exc.__cause__}"[:300], value) from None
+        what = exc.__cause__ if isinstance(exc.__cause__, _OutOfRange) else "an integer of over 4,300 digits"
+        raise NumberOutOfRange(f"the JSON holds a number out of range: {what}", value) from None
 
 
 def _decoded(raw: bytes, decoder: json.JSONDecoder) -> Any:

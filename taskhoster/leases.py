@@ -27,7 +27,7 @@ async def release(link: Link, job: Job, *, delay: float = 0, error: Any = None) 
 
 
 def _not_taken(job: Job, exc: Exception) -> None:
-    log.info("release of %s %s not taken (%s)", job.queue, job.id, exc or "socket closed")
+    log.info("release of %s %s not taken (%s)", job.queue, job.id, str(exc) or "the socket closed")
 
 
 async def _ask_release(link: Link, job: Job, *, delay: float, error: Any) -> None:

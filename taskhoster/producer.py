@@ -4,6 +4,7 @@ is the same for asyncio. Both speak the server's Producer API over HTTP and noth
 
 import asyncio
 import json
+import logging
 import random
 import secrets
 import time
@@ -16,6 +17,8 @@ from .config import server_settings
 from .errors import PASSING_CODES, ApiError, ConnectionFailed, ItemFailed, ResultTimeout, TaskhosterError, api_error
 from .pools import AsyncConnections, Connections
 from .wire import Answer, Endpoint
+
+log = logging.getLogger("taskhoster.producer")
 
 MAX_BATCH_ITEMS = 1000  # the server's limit per post
 MAX_BATCH_BYTES = 8 << 20  # half the server's default body limit: a batch of big payloads is split
@@ -152,8 +155,9 @@ class _Outage:
     on, paced as post retries, until the item ends or the deadline passes. Only once the server
     has answered one: a first read that fails (a wrong address, a server that is not there) raises."""
 
-    def __init__(self, deadline: float | None):
+    def __init__(self, deadline: float | None, url: str):
         self.deadline = deadline
+        self.url = url
         self.answered = False
         self.retry = 0
 
@@ -164,6 +168,8 @@ class _Outage:
         """How long to wait before the next read; raises `exc` when there is none."""
         if not (self.answered and _passing(exc)) or _expired(self.deadline):
             raise exc
+        if self.retry == 0:
+            log.warning("%s does not answer for now (%s); waiting for it", self.url, exc)
         pause = _pause(self.retry, exc)
         self.retry += 1
         return pause if self.deadline is None else max(0.0, min(pause, self.deadline - time.monotonic()))
@@ -327,19 +333,19 @@ class Producer:
         """Read the item once it is finished or failed, or as it is when `timeout` seconds have
         passed (None: no limit). Long-polls in steps of at most 60 s. Once the server has
         answered, losing it (a restart: a failed connection, 503) is waited out within the
-        timeout; losing it past the timeout raises ConnectionFailed or the ApiError."""
-        return self._wait(queue, item_id, _deadline(timeout), payload)
+        timeout (a warning is logged); losing it past the timeout raises ConnectionFailed or the
+        ApiError."""
+        return self._wait(queue, item_id, _Outage(_deadline(timeout), self.url), payload)
 
-    def _wait(self, queue: str, item_id: str, deadline: float | None, payload: bool = False) -> dict:
-        outage = _Outage(deadline)
+    def _wait(self, queue: str, item_id: str, outage: "_Outage", payload: bool = False) -> dict:
         while True:
             try:
-                item = self.get(queue, item_id, wait=_wait_step(deadline), payload=payload)
+                item = self.get(queue, item_id, wait=_wait_step(outage.deadline), payload=payload)
             except TaskhosterError as exc:
                 time.sleep(outage.pause_after(exc))
                 continue
             outage.answer()
-            if item["status"] in TERMINAL or _expired(deadline):
+            if item["status"] in TERMINAL or _expired(outage.deadline):
                 return item
 
     def result(self, queue: str, item_id: str, *, timeout: float | None = None,
@@ -348,11 +354,12 @@ class Producer:
         `error` says why) and ResultTimeout if `timeout` seconds pass first (None: no limit).
         With `follow_retries`, an item that ended and was retried (`retriedAs`) stands for its
         retry: the result is that of the last retry, within the same timeout. A server restart
-        meanwhile is waited out, as by `wait`."""
-        deadline = _deadline(timeout)
-        item = self._wait(queue, item_id, deadline)
+        meanwhile is waited out, as by `wait` (one that outlasts the timeout raises
+        ConnectionFailed or the ApiError, not ResultTimeout)."""
+        outage = _Outage(_deadline(timeout), self.url)  # one for the retries too: the server answered
+        item = self._wait(queue, item_id, outage)
         while (retry := _followed(item, follow_retries)) is not None:
-            item = self._wait(queue, retry, deadline)
+            item = self._wait(queue, retry, outage)
         return _outcome(item, timeout)
 
     def retry(self, queue: str, item_id: str) -> dict:
@@ -430,26 +437,25 @@ class AsyncProducer:
 
     async def wait(self, queue: str, item_id: str, *, timeout: float | None = None,
                    payload: bool = False) -> dict:
-        return await self._wait(queue, item_id, _deadline(timeout), payload)
+        return await self._wait(queue, item_id, _Outage(_deadline(timeout), self.url), payload)
 
-    async def _wait(self, queue: str, item_id: str, deadline: float | None, payload: bool = False) -> dict:
-        outage = _Outage(deadline)
+    async def _wait(self, queue: str, item_id: str, outage: "_Outage", payload: bool = False) -> dict:
         while True:
             try:
-                item = await self.get(queue, item_id, wait=_wait_step(deadline), payload=payload)
+                item = await self.get(queue, item_id, wait=_wait_step(outage.deadline), payload=payload)
             except TaskhosterError as exc:
                 await asyncio.sleep(outage.pause_after(exc))
                 continue
             outage.answer()
-            if item["status"] in TERMINAL or _expired(deadline):
+            if item["status"] in TERMINAL or _expired(outage.deadline):
                 return item
 
     async def result(self, queue: str, item_id: str, *, timeout: float | None = None,
                      follow_retries: bool = False) -> Any:
-        deadline = _deadline(timeout)
-        item = await self._wait(queue, item_id, deadline)
+        outage = _Outage(_deadline(timeout), self.url)  # one for the retries too: the server answered
+        item = await self._wait(queue, item_id, outage)
         while (retry := _followed(item, follow_retries)) is not None:
-            item = await self._wait(queue, retry, deadline)
+            item = await self._wait(queue, retry, outage)
         return _outcome(item, timeout)
 
     async def retry(self, queue: str, item_id: str) -> dict:

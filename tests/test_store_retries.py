@@ -361,7 +361,7 @@ def test_a_mark_whose_item_never_came_is_a_leftover_after_an_hour(store, clock, 
     assert store.promote_due(config=config) == [] and due_marks(store) == []
 
 
-def test_a_post_whose_mark_a_look_removed_and_that_could_not_be_promoted_keeps_a_mark(store, clock, config, monkeypatch, caplog):
+def test_a_post_whose_mark_a_look_found_early_and_that_could_not_be_promoted_keeps_its_mark(store, clock, config, monkeypatch, caplog):
     other = alongside(store, clock=clock)
     run_at = clock.now + 1
     looked = []
@@ -369,7 +369,7 @@ def test_a_post_whose_mark_a_look_removed_and_that_could_not_be_promoted_keeps_a
     def hook(call, path):
         if "/scheduled/" in path and not looked:
             clock.now = run_at
-            assert other.promote_due(config=config) == []  # the mark came due without its item: removed
+            assert other.promote_due(config=config) == []  # the mark came due without its item: kept
             looked.append(True)
         if looked and call == "rename" and "/pending/" in path:  # the post's own promotion fails
             raise OSError(errno.EIO, "injected", path)
@@ -409,20 +409,6 @@ def test_an_item_marked_again_for_its_run_at_that_comes_due_meanwhile_is_promote
                                                      _looks_pass_the_slot_of(run_at, [store], clock, raised)))
     assert store.promote_due(config=raised) == [held]
     assert states_of(store, held) == ["pending"] and due_marks(store) == []
-
-
-def test_a_mark_gone_with_its_item_promoted_is_not_made_again(store, clock, config):
-    """Made again, such a mark would promote the item early, once scheduled again by a release."""
-    from queues.store.promote import promote_if_due
-    from queues.store.schedule import DueMark
-
-    (posted,) = store.post_items(config=config, items=[NewItem(1, run_at=clock.now + 30)])
-    (path,) = (queue_dir(store, Q) / "schedule").glob("*/*")
-    mark = DueMark(clock.now + 30, posted.item.id, str(path), at_run_at=True)
-    ahead = alongside(store, clock=FakeClock(clock.now + 31))  # a host whose clock is ahead
-    assert ahead.promote_due(config=config) == [posted.item.id]
-    assert promote_if_due(store._items, config, [mark]) == set()
-    assert due_marks(store) == []
 
 
 def test_a_release_promoted_at_once_tells_waiting_claims_once(tmp_path, clock, config):

@@ -74,11 +74,13 @@ def test_a_count_reads_each_item_file_once(store, clock, config, faults):
 
 def test_a_state_with_more_names_than_a_count_reads_is_counted_by_its_names(store, clock, config, faults, monkeypatch):
     monkeypatch.setattr(stats, "MAX_READ_NAMES", 3)
-    post(store, *range(4))
+    oldest = post(store, *range(4))[0]
     (store.data_dir / Q / "pending" / f"{ids.IdMaker().new_ids(1, clock.now)[0]}.json").write_bytes(b"null")
+    (store.data_dir / Q / "pending" / "000-a-stray.json").write_bytes(b"{}")  # sorts first
     faults.clear()
-    assert store.count_items(queue=Q).pending == 5
-    assert {call for call, _ in faults.calls} == {"listdir"}
+    counts = store.count_items(queue=Q)
+    assert counts.pending == 6 and {call for call, _ in faults.calls} == {"listdir"}
+    assert counts.oldest_pending_posted_at == ids.id_millis(oldest) / 1000  # never the stray's
 
 
 ERROR = {"error": {"type": "ValueError", "message": "no such image", "traceback": "Traceback ..."}}

@@ -96,7 +96,9 @@ def _promote_one(items: ItemFiles, config: QueueConfig, mark: DueMark, now: floa
 
 def _missing(items: ItemFiles, queue: str, mark: DueMark, now: float) -> Outcome:
     """An item not in scheduled/ may be on its way there: unless it is in a later state (where a
-    promotion or an end took it), or its mark is a leftover."""
+    promotion or an end took it), or its mark is a leftover. (A release for later holds the
+    item's lock from its mark until its move, as this look does: its item, still processing,
+    is never found here on its way.)"""
     if now - mark.due >= STALE_SECONDS:
         return Outcome.SPENT
     later = ("pending", "processing", "done")

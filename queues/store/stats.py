@@ -31,7 +31,9 @@ class ReadNames:
         self._lock = threading.Lock()
 
     def items_in(self, items: ItemFiles, queue: str, state: str) -> list[str]:
-        """The ids of the items in `state`/: its names that are ids of item files."""
+        """The ids of the items in `state`/: its names that are ids of item files (in a state of
+        more than MAX_READ_NAMES, its names as they are: a listing's page may then come back
+        short of the stray names among the newest, until the sweep moves them)."""
         names = [name[:-_SUFFIX] for name in files.names(items.layout.directory(queue, state)) if name.endswith(ITEM_SUFFIX)]
         if len(names) > MAX_READ_NAMES:
             return names

@@ -31,8 +31,9 @@ STOP_SECONDS = 2 * TRANSITIONS_END_SECONDS + 5
 RELOAD_EXIT = 3  # the child's exit status that asks for a new child (Django's)
 
 
-class _Stop(Exception):
-    """A stop signal came to the reloader's child."""
+class _Stop(BaseException):
+    """A stop signal came to the reloader's child (not an Exception: the reloader swallows those
+    while it starts)."""
 
 
 class Command(DaphneRunserver):
