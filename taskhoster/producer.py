@@ -337,7 +337,7 @@ class Producer:
         ApiError."""
         return self._wait(queue, item_id, _Outage(_deadline(timeout), self.url), payload)
 
-    def _wait(self, queue: str, item_id: str, outage: "_Outage", payload: bool = False) -> dict:
+    def _wait(self, queue: str, item_id: str, outage: _Outage, payload: bool = False) -> dict:
         while True:
             try:
                 item = self.get(queue, item_id, wait=_wait_step(outage.deadline), payload=payload)
@@ -439,7 +439,7 @@ class AsyncProducer:
                    payload: bool = False) -> dict:
         return await self._wait(queue, item_id, _Outage(_deadline(timeout), self.url), payload)
 
-    async def _wait(self, queue: str, item_id: str, outage: "_Outage", payload: bool = False) -> dict:
+    async def _wait(self, queue: str, item_id: str, outage: _Outage, payload: bool = False) -> dict:
         while True:
             try:
                 item = await self.get(queue, item_id, wait=_wait_step(outage.deadline), payload=payload)
