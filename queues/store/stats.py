@@ -34,7 +34,8 @@ class ReadNames:
         """The ids of the items in `state`/: its names that are ids of item files (in a state of
         more than MAX_READ_NAMES, its names as they are: a listing's page may then come back
         short of the stray names among the newest, until the sweep moves them)."""
-        names = [name[:-_SUFFIX] for name in files.names(items.layout.directory(queue, state)) if name.endswith(ITEM_SUFFIX)]
+        directory = items.layout.directory(queue, state)
+        names = [name[:-_SUFFIX] for name in files.names(directory) if name.endswith(ITEM_SUFFIX)]
         if len(names) > MAX_READ_NAMES:
             return names
         item_ids = [name for name in names if ids.is_valid_id(name)]  # a stray name: the sweep moves it
@@ -86,5 +87,6 @@ def list_items(items: ItemFiles, read_names: ReadNames, queue: str, state: str, 
         item_ids = [item_id for item_id in item_ids if (item_id in failed) == (status == "failed")]
     # the newest offset+limit names only: a full sort of a million names costs far more
     newest = heapq.nlargest(offset + limit, item_ids)[offset:]
-    page = [items.read(queue, state, item_id) for item_id in newest if ids.is_valid_id(item_id)]  # strays of a big state
+    # a big state's names may hold strays
+    page = [items.read(queue, state, item_id) for item_id in newest if ids.is_valid_id(item_id)]
     return len(item_ids), [item for item in page if item is not None]  # None: moved on meanwhile

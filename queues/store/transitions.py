@@ -588,7 +588,8 @@ class Store:
                    status: str | None = None) -> tuple[int, list[Item]]:
         """One page of a state's items, newest first, and the state's total (done: of `status` only, if given)."""
         with _storage_errors:
-            return stats.list_items(self._items, self._read_names, queue, state, offset=offset, limit=limit, status=status)
+            return stats.list_items(self._items, self._read_names, queue, state, offset=offset, limit=limit,
+                                    status=status)
 
     def throughput(self, *, queue: str, minutes: int = 15) -> list[tuple[float, int, int]]:
         """(minute start, finished, failed) for each of the last `minutes` minutes, oldest first."""
