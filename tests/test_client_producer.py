@@ -261,6 +261,22 @@ async def test_async_result_waits_through_a_server_restart_once_the_server_answe
     assert len(reads) == 2 + len(OUTAGE)
 
 
+def test_result_follows_a_retry_through_a_restart_during_the_retry_s_first_read():
+    reads = []
+
+    def handler(request):
+        reads.append(request.target)
+        if "/items/1" in request.target:
+            return Reply(200, {"id": "1", "status": "failed", "error": "max_attempts", "retriedAs": "2"})
+        if len(reads) in (2, 3):
+            return None  # the retry's first read, sent twice (a GET is): the server is restarting
+        return Reply(200, {"id": "2", "status": "finished", "result": "done"})
+
+    with stub_producer(handler) as producer:
+        assert producer.result("jobs", "1", timeout=30, follow_retries=True) == "done"
+    assert len(reads) == 4
+
+
 def test_result_raises_when_the_server_never_answered_or_the_outage_outlasts_the_timeout():
     with stub_producer(lambda request: None) as producer:
         with pytest.raises(ConnectionFailed):
