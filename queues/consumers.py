@@ -268,14 +268,15 @@ class WorkConsumer(AsyncWebsocketConsumer):
         if items or not wait:
             await self.answer("items", ref, items=claimed(items, config.max_attempts))
             return
-        task = asyncio.create_task(self.wait_and_claim(name, max_items, wait, ref, posted))
+        task = asyncio.create_task(self.wait_and_claim(config, max_items, wait, ref, posted))
         self.waiting.add(task)
         task.add_done_callback(self.waiting.discard)
 
-    async def wait_and_claim(self, name: str, max_items: int, wait: float, ref, posted: int) -> None:
+    async def wait_and_claim(self, config: QueueConfig, max_items: int, wait: float, ref, posted: int) -> None:
         """Wait for a wake-up (or the periodic re-check) and claim; a wake-up that finds nothing
-        (another claimant was first) just waits again. `posted` is the hub's mark taken before
-        the claim that found nothing."""
+        (another claimant was first) just waits again. `config` and `posted` (the hub's mark) are
+        those of the claim that found nothing; the queue's settings are read again at each try."""
+        name = config.name
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait
         items = []
@@ -285,8 +286,7 @@ class WorkConsumer(AsyncWebsocketConsumer):
                 config = await self.work_queue(name)
                 posted = hub.available_mark(name)
                 items = await self.claim(config, max_items)
-            # items or not: a wait that ended before its first look has no config
-            await self.answer("items", ref, items=claimed(items, config.max_attempts) if items else [])
+            await self.answer("items", ref, items=claimed(items, config.max_attempts))
         except Exception as exc:
             await self.answer_error(ref, exc)
 

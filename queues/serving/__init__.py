@@ -91,7 +91,8 @@ def _stop_signals_held() -> Iterator[Callable[[], None]]:
     just after start is not lost; one that comes after the stop, during its clean-up (which gives
     back what sockets held), is dropped, so that a stop ends in exit status 0."""
     held: list[int] = []
-    previous = {sig: signal.signal(sig, lambda sig, frame: held.append(sig)) for sig in (signal.SIGINT, signal.SIGTERM)}
+    signals = (signal.SIGINT, signal.SIGTERM)
+    previous = {sig: signal.signal(sig, lambda sig, frame: held.append(sig)) for sig in signals}
 
     def raise_held() -> None:
         if held:

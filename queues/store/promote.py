@@ -12,7 +12,7 @@ from enum import Enum
 from .. import ids
 from . import files
 from .items import ItemFiles
-from .layout import STALE_SECONDS
+from .layout import ITEM_STATES, STALE_SECONDS
 from .records import QueueConfig, timed_out
 from .schedule import DueMark
 
@@ -101,7 +101,7 @@ def _missing(items: ItemFiles, queue: str, mark: DueMark, now: float) -> Outcome
     is never found here on its way.)"""
     if now - mark.due >= STALE_SECONDS:
         return Outcome.SPENT
-    later = ("pending", "processing", "done")
+    later = [state for state in ITEM_STATES if state != "scheduled"]
     if any(files.exists(items.layout.item(queue, state, mark.item_id)) for state in later):
         return Outcome.SPENT
     return Outcome.COMING
