@@ -53,8 +53,24 @@ def _isolated_data_dir(settings, tmp_path):
     get_store.cache_clear()
     get_registry.cache_clear()
     yield
+    _let_database_reads_end()
     get_store.cache_clear()
     get_registry.cache_clear()
+
+
+@pytest.fixture
+def transactional_db(transactional_db):
+    """pytest-django's, for tests that ask for it by name: they set it up after the autouse
+    fixture above, so it empties the database before that one's teardown would wait."""
+    yield
+    _let_database_reads_end()
+
+
+def _let_database_reads_end() -> None:
+    """Wait for a reload the registry began in the background (a request does not wait for it)
+    to end: the test database is emptied after this, and a read running then fails that."""
+    if get_registry.cache_info().currsize:
+        get_registry()._db_thread.submit(lambda: None).result()
 
 
 @pytest.fixture
