@@ -9,6 +9,7 @@ from datetime import datetime, timedelta, timezone
 import pytest
 
 from client_support import live_server
+import taskhoster.leases as leases_module
 from taskhoster import ApiError, AsyncProducer, ItemFailed, Job, Producer, TaskhosterError, Worker
 from taskhoster.jobs import HandlerFailed, error_result, retry_delay
 from test_client_worker import wait_until, working
@@ -19,6 +20,7 @@ QUEUES = {
     "again": {},
     "stop": {},
     "three-tries": {"max_attempts": 3},
+    "last-try-again": {"max_attempts": 2},
     "endless-tries": {},
     "cancel-async": {},
     "cancel-blocking": {},
@@ -190,6 +192,37 @@ def test_retry_gives_a_failing_item_back_with_its_error_and_hands_the_error_in_o
     ended = producer.get("three-tries", item["id"])
     assert ended["status"] == "finished" and ended["attempts"] == 3
     assert ended["lastError"]["error"]["message"] == "try 2 failed"
+
+
+def test_an_item_claimed_again_while_its_handler_runs_is_on_its_last_try_when_the_handler_fails(
+        live, producer, monkeypatch):
+    """The socket drops mid-handler, the server re-queues the item, and the worker's next claim
+    brings it back (attempt 2 of 2) while the first run goes on: when that run fails, giving the
+    item back would end it max_attempts, so its error is handed in as its result."""
+    links = []
+    real_hold = leases_module.Leases.hold
+
+    def hold(self, job, link):
+        links.append(link)
+        real_hold(self, job, link)
+
+    monkeypatch.setattr(leases_module.Leases, "hold", hold)
+
+    async def fails_after_a_second_claim(payload, job):
+        await links[0].socket.close()
+        while len(links) < 2:
+            await asyncio.sleep(0.01)
+        raise RuntimeError(f"failed, claimed {job.attempts} time(s) when it began")
+
+    item = producer.post("last-try-again", "x")
+    worker = Worker(live.url, live.token, queues=["last-try-again"], concurrency=2, on_error="retry",
+                    retry_base=0.05, retry_cap=0.2)
+    with working(worker, fails_after_a_second_claim):
+        result = producer.result("last-try-again", item["id"], timeout=30)
+
+    assert result["error"]["message"] == "failed, claimed 1 time(s) when it began"
+    ended = producer.get("last-try-again", item["id"])
+    assert (ended["status"], ended["attempts"]) == ("finished", 2)
 
 
 def test_retry_without_a_limit_goes_on_until_the_handler_succeeds(live, producer):
