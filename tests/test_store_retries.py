@@ -14,6 +14,7 @@ from queues import ids
 from queues.exceptions import InvalidRequest, ItemNotFound, NotEnded, NotHeld, TaskhosterError
 from queues.store import ABSENT, NewItem, QueueConfig, Release, Store, files
 from queues.store.items import NoEvents
+from queues.store.promote import promote
 from queues.store import transitions as transitions_module
 from queues.store.layout import SLOT_SECONDS, STALE_SECONDS
 from conftest import FakeClock, alongside
@@ -98,6 +99,26 @@ def test_another_process_and_a_restarted_one_promote_what_this_one_scheduled(sto
     restarted = Store(store.data_dir, fsync=False, clock=clock)  # knows nothing but the disk
     assert restarted.promote_due(config=config) == [item_id]
     assert store.promote_due(config=config) == []  # promoted once
+
+
+def test_a_look_that_lags_never_moves_an_item_scheduled_again_since_it_listed_the_mark(store, clock, config,
+                                                                                       faults):
+    """Two looks list a post's mark (the promoter's and the sweep's, or two processes'): one
+    moves the item (unread: it is as it was posted), a worker takes it and gives it back for
+    later, and only then does the other go on with the mark it listed. The item stays scheduled
+    until its new runAt."""
+    (item_id,) = schedule(store, config, clock.now + 10)
+    clock.advance(10)
+    lagging = alongside(store, clock=clock)
+    listed = lagging._items.schedule.due(Q, clock.now).marks
+    faults.clear()
+    assert store.promote_due(config=config) == [item_id]
+    assert not [path for call, path in faults.calls if call == "open" and "/scheduled/" in path]
+    release(store, config, claim_one(store, config).id, delay=300)
+    assert promote(lagging._items, config, listed, clock.now) == []
+    assert states_of(store, item_id) == ["scheduled"]
+    clock.advance(300)
+    assert store.promote_due(config=config) == [item_id]
 
 
 def test_a_quiet_look_for_due_items_lists_no_more_than_a_slot_or_two(store, clock, config, faults):

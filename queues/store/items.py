@@ -265,6 +265,8 @@ class ItemFiles:
             for item, path in zip(items, written):
                 files.move(path, self.layout.item(queue, item.status, item.id))
                 moved.append(item)
+                if item.status == "scheduled":  # what tells its promotion the post's own file
+                    files.set_mtime(self.layout.item(queue, item.status, item.id), item.posted_at)
             self.flush_states(queue, *sorted({item.status for item in items}))
         except BaseException:
             for path in written[len(moved) :] + [mark.path for mark in marks]:

@@ -1,6 +1,8 @@
 """Where everything lives under the data directory: the one place a path is built.
 
-    <root>/<queue>/<state>/<id>.json     item files; the directory is the item's state
+    <root>/<queue>/<state>/<id>.json     item files; the directory is the item's state; mtime:
+                                         processing, the lease's end; done, the end; scheduled
+                                         by its post, when it was posted
     <root>/<queue>/tmp/<id>.<nonce>.json  files being written, before they are moved into place
     <root>/<queue>/tmp/<id>.<nonce>.spare  old files of items, kept for the next write to reuse
     <root>/<queue>/quarantine/            unreadable files, moved out of the way

@@ -65,18 +65,21 @@ class Outcome(Enum):
 
 def _promote_one(items: ItemFiles, config: QueueConfig, mark: DueMark, now: float) -> Outcome:
     """Promote one scheduled item whose mark came due (under its lock). An item due at its
-    runAt, and not aged out by its id's time, moves unread."""
+    runAt, not aged out by its id's time, and still as it was posted, moves unread."""
     queue, layout, item_id = config.name, items.layout, mark.item_id
     scheduled = layout.item(queue, "scheduled", item_id)
     if files.exists(layout.item(queue, "done", item_id)):
         files.remove(scheduled)  # a copy a crash left, if any: done wins
         return Outcome.SPENT
     if mark.at_run_at and now - ids.id_millis(item_id) / 1000 <= config.queue_seconds:
-        try:
-            files.move(scheduled, layout.item(queue, "pending", item_id))
-        except FileNotFoundError:
+        info = files.status(scheduled)
+        if info is None:
             return _missing(items, queue, mark, now)
-        return Outcome.MOVED
+        # a post's file is timed when it was posted, before its mark came due; one put there
+        # after (a release for later, since another look promoted it) is read for its runAt
+        if info.st_mtime < mark.due:
+            files.move(scheduled, layout.item(queue, "pending", item_id))
+            return Outcome.MOVED
     item = items.read(queue, "scheduled", item_id)
     if item is None:  # not there (yet), or not an item (quarantined)
         return _missing(items, queue, mark, now)
