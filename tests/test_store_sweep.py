@@ -216,6 +216,23 @@ def test_a_mark_left_by_an_end_a_crash_cut_short_goes_when_the_item_ends_otherwi
     assert files_in(store, "failed") == []
 
 
+def test_on_a_full_disk_retention_still_runs_though_an_aged_item_cannot_end(store, clock, config, faults,
+                                                                             caplog):
+    """Ending an aged item writes its done file, which a full disk refuses; deleting what is past
+    retention, which frees space, runs in the same pass all the same, and the aged item ends in
+    the first pass after space came back."""
+    done_id = finished_item(store, config)
+    (aged_id,) = post(store)
+    clock.advance(config.queue_seconds + 1)
+    faults.fail(where=f"/{Q}/tmp/", error=errno.ENOSPC, persist=True)
+    changes = store.sweep_queue(config=config)
+    assert (changes.deleted, changes.failed) == ([done_id], [])
+    assert states_of(store, done_id) == [] and states_of(store, aged_id) == ["pending"]
+    assert "fail_aged failed" in caplog.text
+    faults.clear()
+    assert store.sweep_queue(config=config).failed == [aged_id]
+
+
 def test_failed_items_are_retained_like_finished_ones(store, clock, config):
     fetched = replace(config, retain_from="fetched")
     (item_id,) = post(store)

@@ -12,6 +12,8 @@ or a transition made meanwhile is simply skipped.
 
 import logging
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 from .. import ids
 from . import files
@@ -27,6 +29,7 @@ ID_CLOCK_MARGIN_SECONDS = 60  # how far an id's time may run ahead of the clock 
 _CHUNK = 10_000
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def sweep_queue(items: ItemFiles, config: QueueConfig) -> SweepChanges:
@@ -35,15 +38,26 @@ def sweep_queue(items: ItemFiles, config: QueueConfig) -> SweepChanges:
     # not scheduled/: scheduled items come due through their marks (see schedule), and a pass
     # must cost the same however many wait
     listing = {state: files.names(items.layout.directory(queue, state)) for state in WATCHED}
-    repaired = _repair(items, queue, listing)
+    repaired = _step(queue, _repair, items, queue, listing, nothing=[])
     # failing first: an item both aged and lapsed ends failed, not re-queued
-    failed = _fail_aged(items, config, listing["pending"] + listing["processing"])
-    requeued, ended = _requeue_lapsed(items, config, listing["processing"])
-    deleted = _delete_expired(items, config, listing["done"])
-    tmp_removed = _remove_leftovers(items, queue, set(listing["done"]))
+    failed = _step(queue, _fail_aged, items, config, listing["pending"] + listing["processing"], nothing=[])
+    requeued, ended = _step(queue, _requeue_lapsed, items, config, listing["processing"], nothing=([], []))
+    deleted = _step(queue, _delete_expired, items, config, listing["done"], nothing=[])
+    tmp_removed = _step(queue, _remove_leftovers, items, queue, set(listing["done"]), nothing=0)
     if requeued:
         items.events.items_available(queue, len(requeued))
     return SweepChanges(repaired, failed + ended, requeued, deleted, tmp_removed)
+
+
+def _step(queue: str, step: Callable[..., T], /, *args, nothing: T) -> T:
+    """One step of a pass; a disk fault in it is logged and the pass goes on (its changes so far
+    are made, but not counted): on a full disk, where an aged item cannot be ended (its done file
+    is a write), retention still runs and frees space."""
+    try:
+        return step(*args)
+    except OSError:
+        log.exception("sweep of queue %s: %s failed; the pass goes on", queue, step.__name__.lstrip("_"))
+        return nothing
 
 
 def _repair(items: ItemFiles, queue: str, listing: dict[str, list[str]]) -> list[str]:
