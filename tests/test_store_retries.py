@@ -121,6 +121,22 @@ def test_a_look_that_lags_never_moves_an_item_scheduled_again_since_it_listed_th
     assert store.promote_due(config=config) == [item_id]
 
 
+def test_on_a_full_disk_an_aged_item_that_cannot_end_holds_back_no_other_due_item(store, clock, config, faults):
+    """A scheduled item that aged out ends failed, which writes its done file; a full disk
+    refuses that, and the items due after it are moved to pending all the same."""
+    (aged,) = schedule(store, config, clock.now + 10)
+    clock.advance(config.queue_seconds - 5)
+    (due,) = schedule(store, config, clock.now + 1)
+    clock.advance(10)
+    faults.fail(where=f"/{Q}/tmp/", error=errno.ENOSPC, persist=True)
+    assert store.promote_due(config=config) == [due]
+    assert states_of(store, aged) == ["scheduled"]
+    faults.clear()
+    # its mark stays, for the next look that lists every slot (a process's first, and one a minute)
+    assert alongside(store, clock=clock).promote_due(config=config) == []
+    assert store.read_item(queue=Q, item_id=aged).error == "timeout"
+
+
 def test_a_quiet_look_for_due_items_lists_no_more_than_a_slot_or_two(store, clock, config, faults):
     """A million items scheduled for later cost a look nothing: it lists what came due only."""
     schedule(store, config, *(clock.now + 50 + n for n in range(200)))
@@ -399,7 +415,7 @@ def test_a_post_whose_mark_a_look_found_early_and_that_could_not_be_promoted_kee
     (item_id,) = schedule(store, config, run_at)
     monkeypatch.setattr(files, "fault", None)
     assert states_of(store, item_id) == ["scheduled"] and len(due_marks(store)) == 1
-    assert "could not promote the items of jobs" in caplog.text
+    assert "could not promote item" in caplog.text
     assert alongside(store, clock=clock).promote_due(config=config) == [item_id]
 
 
@@ -470,7 +486,7 @@ def test_a_post_whose_item_came_due_but_could_not_be_promoted_stands_and_a_later
     (item_id,) = schedule(store, config, run_at)  # answered: the item is on disk, scheduled
     monkeypatch.setattr(files, "fault", None)
     assert states_of(store, item_id) == ["scheduled"] and len(due_marks(store)) == 1
-    assert "could not promote the items of jobs" in caplog.text
+    assert "could not promote item" in caplog.text
     assert alongside(store, clock=clock).promote_due(config=config) == [item_id]
 
 

@@ -24,8 +24,12 @@ def promote(items: ItemFiles, config: QueueConfig, marks: list[DueMark], now: fl
     moved to pending, claimable once this returns."""
     queue, moved, spent = config.name, [], []
     for mark in marks:
-        with items.lock(queue, mark.item_id):
-            outcome = _promote_one(items, config, mark, now)
+        try:
+            with items.lock(queue, mark.item_id):
+                outcome = _promote_one(items, config, mark, now)
+        except OSError:  # its mark stays for a later look; the items after it go on
+            log.exception("could not promote item %s of %s", mark.item_id, queue)
+            continue
         if outcome is not Outcome.COMING:
             spent.append(mark)
         if outcome is Outcome.MOVED:
