@@ -166,7 +166,9 @@ class Claims:
         if items is None or self._link is not link:
             return  # if the socket closed meanwhile, the server has re-queued what it claimed
         jobs = [Job.from_item(item) for item in items]
-        if self._stopped:  # a claim that was waiting when the stop came: give its items back
+        # a claim that was waiting when the stop came: its items run beside the handlers the stop
+        # waits for (giving one back would spend a try, or end it on its last), else go back
+        if self._stopped and not self._run.letting_handlers_finish:
             if jobs:
                 self._run.spawn(_release_all(link, jobs))
             return

@@ -72,6 +72,11 @@ class Run:
         return self._shutdown.stopping
 
     @property
+    def letting_handlers_finish(self) -> bool:
+        """Stopping, and waiting for running handlers within the grace period."""
+        return self._shutdown.letting_handlers_finish
+
+    @property
     def failed(self) -> bool:
         return self._fatal is not None
 

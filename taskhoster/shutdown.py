@@ -26,6 +26,7 @@ class Shutdown:
         self._asked = asyncio.Event()
         self._hurry = asyncio.Event()
         self._finished = asyncio.Event()
+        self.letting_handlers_finish = False  # a claim that was out when the stop came runs its items meanwhile
 
     @property
     def stopping(self) -> bool:
@@ -45,7 +46,11 @@ class Shutdown:
         self._stop_claiming()
         if self._busy():
             log.info("stopping: waiting up to %g s for %d running handlers", self._grace, self._busy())
-            await self._until(lambda: not self._busy(), self._grace)
+            self.letting_handlers_finish = True
+            try:
+                await self._until(lambda: not self._busy(), self._grace)
+            finally:
+                self.letting_handlers_finish = False
         await self._abandon()
         if not self._hurry.is_set():
             await self._until(lambda: not self._unsent(), DRAIN_SECONDS)

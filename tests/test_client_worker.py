@@ -17,6 +17,7 @@ from websockets.asyncio.server import serve as serve_websocket
 import taskhoster.claims as claims_module
 import taskhoster.leases as leases_module
 import taskhoster.outbox as outbox_module
+import taskhoster.run as run_module
 import taskhoster.shutdown as shutdown_module
 from client_support import client_env, live_server
 from serverproc import PROJECT_DIR
@@ -53,7 +54,8 @@ QUEUES = {
     "either-b": {},
     "graceful": {},
     "outlast": {},
-    "stop-claim": {"lease_seconds": 300},  # only a release puts its item back while the worker runs
+    "stop-claim-runs": {},
+    "stop-claim-back": {"lease_seconds": 300},  # only a release puts its item back while the worker runs
     "early-stop": {},
     "heartbeat": {"lease_seconds": 2},
     "heartbeat-busy": {"lease_seconds": 2},
@@ -715,7 +717,11 @@ def test_a_stop_that_ends_with_results_the_server_never_took_says_so(live, produ
     wait_until(lambda: producer.get("unstored-drop", item["id"])["status"] == "pending", what="the item back")
 
 
-def test_a_claim_that_was_waiting_when_the_stop_came_gives_its_items_back(live, producer, monkeypatch, caplog):
+@pytest.mark.parametrize("stop_waits", [True, False], ids=["while the stop waits for a handler", "after"])
+def test_a_claim_that_was_waiting_when_the_stop_came_runs_its_items_while_the_stop_waits_else_gives_them_back(
+        live, producer, monkeypatch, caplog, stop_waits):
+    """Its items run beside the handler the stop waits for: giving one back would spend a try
+    (and end an item on its last). Once the stop no longer waits for handlers they go back."""
     caplog.set_level(logging.INFO, logger="taskhoster.worker")
     waits = []  # the wait of every claim sent
     ask = Link.ask
@@ -727,28 +733,31 @@ def test_a_claim_that_was_waiting_when_the_stop_came_gives_its_items_back(live, 
         return ask(self, frame, answered, **options)
 
     monkeypatch.setattr(Link, "ask", recording)
+    if not stop_waits:  # as if the claim's answer came once the stop was over waiting
+        monkeypatch.setattr(run_module.Run, "letting_handlers_finish", property(lambda run: False))
     gate, calls = threading.Event(), []
 
     def handle(payload, job):
         calls.append(payload)
-        gate.wait(60)
+        if payload == "running":
+            gate.wait(60)
         return payload
 
-    running = producer.post("stop-claim", "running")
-    worker = Worker(live.url, live.token, queues=["stop-claim"], concurrency=2, grace=20)
+    queue = f"stop-claim-{'runs' if stop_waits else 'back'}"
+    running = producer.post(queue, "running")
+    worker = Worker(live.url, live.token, queues=[queue], concurrency=2, grace=20)
     with working(worker, handle):
         wait_until(lambda: calls and any(waits), what="a waiting claim beside the running handler")
         worker.stop()  # the stop waits for the running handler; the claim is still out
         wait_until(lambda: any(r.getMessage().startswith("stopping:") for r in caplog.records), what="the stop")
-        late = producer.post("stop-claim", "late")  # the waiting claim brings it
-        wait_until(lambda: producer.get("stop-claim", late["id"])["attempts"] == 1, what="the late item's claim")
-        wait_until(lambda: producer.get("stop-claim", late["id"])["status"] == "pending", timeout=10,
-                   what="the late item given back while the worker is still stopping")
+        late = producer.post(queue, "late")  # the waiting claim brings it
+        ended = "finished" if stop_waits else "pending"
+        wait_until(lambda: producer.get(queue, late["id"])["status"] == ended, timeout=10,
+                   what=f"the late item {ended} while the worker is still stopping")
         gate.set()
-    assert calls == ["running"]
-    assert producer.get("stop-claim", running["id"])["status"] == "finished"
-    given_back = producer.get("stop-claim", late["id"])
-    assert (given_back["status"], given_back["attempts"]) == ("pending", 1)
+    assert calls == (["running", "late"] if stop_waits else ["running"])
+    assert producer.get(queue, running["id"])["status"] == "finished"
+    assert producer.get(queue, late["id"])["attempts"] == 1
 
 
 def test_a_stop_before_the_run_starts_stops_it_at_once(live, producer):
