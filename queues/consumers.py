@@ -293,20 +293,26 @@ class WorkConsumer(AsyncWebsocketConsumer):
     async def claim(self, config: QueueConfig, max_items: int) -> list:
         claiming = run(get_store().claim_items, config=config, max_items=max_items)
         # its items are recorded as held when it ends, by a callback, not by this caller: if this
-        # connection closes meanwhile, the claim still completes and let_go() re-queues them
-        claiming.add_done_callback(partial(self.hold_claimed, config.name))
+        # connection closes meanwhile, the claim still completes and let_go() re-queues them.
+        # (One ended already, on the loop, is recorded now: its callback would come too late.)
+        if claiming.done():
+            self.hold_claimed(config.name, claiming)
+        else:
+            claiming.add_done_callback(partial(self.hold_claimed, config.name))
         self.claiming.add(claiming)
         claiming.add_done_callback(self.claiming.discard)
-        return await asyncio.shield(claiming)
+        items = await asyncio.shield(claiming)
+        # an item canceled while the claim was under way is held no more: its worker never sees it
+        return [item for item in items if (config.name, item.id) in self.held]
 
     def hold_claimed(self, queue: str, claiming: asyncio.Future) -> None:
         if claiming.cancelled() or claiming.exception() is not None:
             return
         loop = asyncio.get_running_loop()
         for item in claiming.result():
-            self.held[(queue, item.id)] = item.claim_token
-            hub.hold(queue, item.id, item.claim_token,
-                     lambda queue, item_id: loop.call_soon_threadsafe(self.was_canceled, queue, item_id))
+            if hub.hold(queue, item.id, item.claim_token,
+                        lambda queue, item_id: loop.call_soon_threadsafe(self.was_canceled, queue, item_id)):
+                self.held[(queue, item.id)] = item.claim_token
 
     def was_canceled(self, queue: str, item_id: str) -> None:
         """One of the items this connection holds was canceled: it holds it no more, and its

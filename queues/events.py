@@ -18,6 +18,9 @@ from collections.abc import Callable, Iterable
 from typing import Protocol
 
 
+MOST_UNHELD_CANCELS = 1024
+
+
 class Bridge(Protocol):
     def publish(self, kind: str, queue: str, payload: object) -> None: ...
 
@@ -50,6 +53,8 @@ class Hub:
         self._available_events: dict[str, int] = defaultdict(int)  # queue -> events so far
         self._terminal_events: dict[str, int] = defaultdict(int)
         self._holders: dict[tuple[str, str], tuple[str, Callable[[str, str], None]]] = {}  # held item -> (claim, told)
+        # claims canceled before anyone held their item: a socket's claim still under way
+        self._canceled_unheld: dict[tuple[str, str, str], None] = {}  # (queue, item, claim), oldest first
         self.bridge: Bridge | None = None
 
     def items_available(self, queue: str, count: int = 1, *, local_only: bool = False) -> int:
@@ -90,16 +95,29 @@ class Hub:
                 del self._holders[(queue, item_id)]
             else:
                 holder = None
+                if claim_token is not None:
+                    self._remember_unheld_cancel((queue, item_id, claim_token))
         if holder is not None:
             holder[1](queue, item_id)
         elif self.bridge is not None and not local_only:
             self.bridge.publish("canceled", queue, [[item_id, claim_token]])
 
-    def hold(self, queue: str, item_id: str, claim_token: str, told: Callable[[str, str], None]) -> None:
+    def hold(self, queue: str, item_id: str, claim_token: str, told: Callable[[str, str], None]) -> bool:
         """`told(queue, item_id)` is called (from any thread) if the item is canceled while held
-        under this claim."""
+        under this claim. False, and nothing held, if it was canceled under this claim already
+        (between the claim and this call)."""
         with self._lock:
+            if self._canceled_unheld.pop((queue, item_id, claim_token), False) is None:
+                return False
             self._holders[(queue, item_id)] = (claim_token, told)
+            return True
+
+    def _remember_unheld_cancel(self, canceled: tuple[str, str, str]) -> None:
+        """Call holding the lock. Most are never asked for (a claim over HTTP holds nothing):
+        only the latest are kept, as a claim under way asks within moments."""
+        self._canceled_unheld[canceled] = None
+        if len(self._canceled_unheld) > MOST_UNHELD_CANCELS:
+            del self._canceled_unheld[next(iter(self._canceled_unheld))]
 
     def let_go(self, queue: str, item_id: str, claim_token: str) -> None:
         """Only this claim's hold goes: a socket that lost the item (re-queued by staff or the

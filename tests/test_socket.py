@@ -839,6 +839,29 @@ async def test_a_canceled_item_is_told_to_the_socket_holding_it_which_holds_it_n
     assert (item.status, item.error) == ("failed", "canceled")  # closing the socket changed nothing
 
 
+async def test_an_item_canceled_while_the_socket_s_claim_is_under_way_is_not_handed_out(token, monkeypatch):
+    """The cancel comes after the claim took the item and before the socket holds it (a claim of
+    many items holds them all once the last is claimed): the claim's answer leaves it out."""
+    first, second = post("jobs", 1, 2)
+    store = get_store()
+    real_claim = store.claim_items
+
+    def claim_then_cancel(**kwargs):
+        items = real_claim(**kwargs)
+        store.cancel_item(config=config("jobs"), item_id=first)
+        return items
+
+    monkeypatch.setattr(store, "claim_items", claim_then_cancel)
+    async with connected(token) as ws:
+        claimed = await ask(ws, {"op": "claim", "queue": "jobs", "max": 5})
+        assert [item["id"] for item in claimed["items"]] == [second]
+        assert await ws.receive_nothing(timeout=0.2)  # nor told of it
+        answer = await ask(ws, {"op": "result", "queue": "jobs", "id": first, "result": "late"})
+        assert answer["accepted"] is False
+    item = store.read_item(queue="jobs", item_id=first)
+    assert (item.status, item.error) == ("failed", "canceled")
+
+
 async def test_a_cancel_is_told_to_the_socket_that_claimed_the_item_again_after_another_lost_it(token):
     """Staff re-queue the item a first socket holds, a second claims it, the first closes: a
     cancel still reaches the second, which holds it now."""
@@ -860,6 +883,17 @@ async def test_the_bridge_tells_the_process_whose_socket_holds_a_canceled_item()
         there.hold("jobs", MISSING_ID, "a-claim", lambda queue, item_id: told.set_result((queue, item_id)))
         here.item_canceled("jobs", MISSING_ID, "a-claim")  # no socket here holds it
         assert await asyncio.wait_for(told, TIMEOUT) == ("jobs", MISSING_ID)
+
+
+async def test_a_cancel_from_another_process_that_comes_before_the_claim_holds_its_item_is_kept_for_it():
+    async with bridged_hubs() as (here, there):
+        here.item_canceled("jobs", MISSING_ID, "a-claim")  # no socket holds it yet, anywhere
+        await asyncio.sleep(0.05)  # sent: a wake-up published with it would go first
+        mark = there.available_mark("jobs")
+        here.items_available("jobs", 1)  # after the cancel, on the same channel
+        assert await there.wait_available("jobs", TIMEOUT, since=mark)
+        assert there.hold("jobs", MISSING_ID, "a-claim", lambda queue, item_id: None) is False
+        assert there.hold("jobs", MISSING_ID, "another-claim", lambda queue, item_id: None) is True
 
 
 async def test_a_cancel_passes_over_a_socket_here_whose_claim_lapsed_for_the_one_elsewhere_holding_it():
