@@ -107,7 +107,8 @@ class Hub:
         under this claim. False, and nothing held, if it was canceled under this claim already
         (between the claim and this call)."""
         with self._lock:
-            if self._canceled_unheld.pop((queue, item_id, claim_token), False) is None:
+            if (queue, item_id, claim_token) in self._canceled_unheld:
+                del self._canceled_unheld[(queue, item_id, claim_token)]
                 return False
             self._holders[(queue, item_id)] = (claim_token, told)
             return True
