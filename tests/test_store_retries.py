@@ -652,6 +652,19 @@ def test_a_retry_made_again_after_a_crash_between_its_two_steps_makes_one_new_it
     assert files_in(store, "pending") == [f"{again.id}.json"]
 
 
+def test_a_retry_whose_new_item_the_disk_refused_leaves_the_old_item_naming_none(store, config, faults):
+    (old,) = schedule(store, config, None)
+    finish(store, config, old, "r")
+    faults.fail(calls={"rename"}, where="/pending/")  # the new item's move in
+    with pytest.raises(TaskhosterError):
+        store.retry_item(config=config, item_id=old)
+    faults.clear()
+    assert store.read_item(queue=Q, item_id=old).retried_as is None
+    assert files_in(store, "pending") == []
+    new, made = store.retry_item(config=config, item_id=old)
+    assert made and store.read_item(queue=Q, item_id=old).retried_as == new.id
+
+
 def _elsewhere(data_dir, code: str, *, within: float = 2.0) -> bool:
     """Run `code` (with `store`, a Store over `data_dir`) in another process, as a transition of
     another server would be; whether it ended within `within` seconds of its start (else it is

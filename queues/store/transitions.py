@@ -483,8 +483,21 @@ class Store:
         self._items.rewrite(queue, "done", replace(old, retried_as=new_id), mtime=old.finished_at)
         self.ensure_queue(queue)
         new = Item(id=new_id, queue=queue, status="pending", payload=old.payload, retry_of=old.id)
-        self._items.publish(queue, [new])
+        try:
+            self._items.publish(queue, [new])
+        except BaseException:
+            self._unrecord_retry(queue, old)
+            raise
         return new
+
+    def _unrecord_retry(self, queue: str, old: Item) -> None:
+        """The retry's new item could not be made: the old one names none again. Should that fail
+        too (the disk that refused the new item), the next retry mends the name it keeps."""
+        try:
+            self._items.rewrite(queue, "done", old, mtime=old.finished_at)
+        except OSError:
+            log.warning("could not take back the retry of item %s of %s", old.id, queue, exc_info=True)
+
 
     def cancel_item(self, *, config: QueueConfig, item_id: str) -> tuple[Item, bool]:
         """End a scheduled, pending or processing item at once, failed `canceled`; the item, and
