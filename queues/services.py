@@ -34,12 +34,14 @@ def save_queue(name: str, *, existing: bool | None = None, **changes) -> Queue:
         if queue is not None and existing is False:
             raise ValidationError({"name": f"There is a queue named {name} already."})
         queue = queue or Queue(name=name)
-        before = queue.queue_seconds if queue.pk else None
+        new = queue.pk is None
+        before = None if new else queue.queue_seconds
         for field, value in changes.items():
             setattr(queue, field, value)
         queue.full_clean()
         queue.save()
-        get_store().ensure_queue(queue.name)  # inside: a queue whose directory cannot be made is not saved
+        # inside: a queue whose directory cannot be made is not saved
+        (get_store().create_queue if new else get_store().ensure_queue)(queue.name)
     timeouts_lowered(queue, before)
     return queue
 

@@ -8,7 +8,7 @@ from queues import ids
 from queues.models import ApiToken, Queue, hash_token
 from queues.runtime import get_registry, get_store
 from queues.services import save_queue
-from queues.store import NewItem
+from queues.store import NewItem, Store
 from storekit import finish, post_batch
 
 VALID_QUEUE = {
@@ -205,7 +205,19 @@ def test_deleting_a_queue_deletes_its_items(admin_client, settings):
     response = admin_client.post(f"/admin/queues/queue/{queue.pk}/delete/", {"post": "yes"})
     assert response.status_code == 302
     assert not Queue.objects.exists()
-    assert [p.name for p in (settings.TASKHOSTER_DATA_DIR / "thumbs").iterdir()] == ["locks"]  # items gone
+    assert sorted(p.name for p in (settings.TASKHOSTER_DATA_DIR / "thumbs").iterdir()) == ["deleted", "locks"]  # items gone
+
+
+def test_a_queue_made_again_after_its_deletion_starts_empty(admin_client, settings):
+    """A post another server process took in the second before it heard of the deletion stays
+    out of the queue made again under the name."""
+    queue = save_queue("thumbs")
+    elsewhere = Store(settings.TASKHOSTER_DATA_DIR, fsync=False)
+    post_batch(elsewhere, "thumbs", [1])
+    admin_client.post(f"/admin/queues/queue/{queue.pk}/delete/", {"post": "yes"})
+    post_batch(elsewhere, "thumbs", [2])  # not told yet
+    save_queue("thumbs")
+    assert get_store().count_items(queue="thumbs").pending == 0
 
 
 def test_a_new_token_value_is_shown_once_and_only_its_hash_is_kept(admin_client):

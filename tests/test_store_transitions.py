@@ -19,6 +19,7 @@ from queues import ids
 from queues.exceptions import InvalidRequest, ItemNotFound, NotHeld, PayloadTooLarge
 from queues.store import NewItem, QueueConfig, Release, Store
 from queues.store.items import CLAIM_XATTR
+from queues.store.layout import DIRECTORIES
 from store_support import Q, claim_one, files_in, first_listing_done, half_written, post, queue_dir, states_of
 from storekit import finish, post_batch, release
 
@@ -646,11 +647,35 @@ def test_delete_queue_removes_its_items_and_only_them(store, config):
     post(store, queue="keep")
     post(store, 1, 2)
     store.delete_queue(Q)
-    assert os.listdir(queue_dir(store)) == ["locks"]  # kept for the other processes: see below
+    assert sorted(os.listdir(queue_dir(store))) == ["deleted", "locks"]  # locks: kept for the other processes, see below
     assert store.count_items(queue="keep").pending == 1
     # the queue can be made again from scratch
     (item_id,) = post(store)
     assert claim_one(store, config).id == item_id
+
+
+def test_what_a_post_racing_a_queue_s_deletion_left_goes_when_the_queue_is_made_again(store, config):
+    """Another process, not told of the deletion yet (its settings are up to a second old),
+    posts to the queue after its directories went: a queue made again under the name starts
+    empty all the same."""
+    elsewhere = alongside(store)
+    post(elsewhere)  # it knows the queue
+    store.delete_queue(Q)
+    post(elsewhere)  # answered 201 there: the file is made again
+    assert store.count_items(queue=Q).pending == 1
+    store.create_queue(Q)
+    assert store.count_items(queue=Q).pending == 0
+    assert sorted(os.listdir(queue_dir(store))) == sorted(DIRECTORIES)
+    (item_id,) = post(store)
+    assert claim_one(store, config).id == item_id
+
+
+def test_a_queue_made_over_a_directory_no_deletion_marked_keeps_its_items(store):
+    """The queue's database row is gone but no deletion made that (a database lost and made
+    again): its items are still the queue's."""
+    post(store, 1, 2)
+    store.create_queue(Q)
+    assert store.count_items(queue=Q).pending == 2
 
 
 OPEN_THEN_HOLD = """

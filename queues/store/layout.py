@@ -12,6 +12,8 @@
     <root>/<queue>/stats/<minute>.<status>  how many items ended that minute (the file's size)
     <root>/<queue>/schedule/<slot>/<due>.<id>  marks of scheduled items, by when they are due
     <root>/<queue>/keys/<sha256 of key>   an idempotency key: a hard link of its item's first file
+    <root>/<queue>/deleted                the queue was deleted: what posts racing that left goes
+                                          when a queue of its name is made again
     <root>/<queue>/locks/items            the queue's item locks
     <root>/<queue>/locks/keys             its key locks
 
@@ -35,6 +37,7 @@ ITEM_STATES = ("scheduled", "pending", "processing", "done")
 STATES = ("tmp", *ITEM_STATES)
 MARKS = ("failed", "fetched", "errors")
 LOCKS_DIRECTORY = "locks"
+DELETED_MARK = "deleted"
 DIRECTORIES = (*STATES, *MARKS, "quarantine", "stats", LOCKS_DIRECTORY, "schedule", "keys")
 SLOT_SECONDS = 10  # a schedule slot: the marks of items due within the same ten seconds
 ITEM_SUFFIX = ".json"
@@ -124,6 +127,9 @@ class Layout:
         if status not in ("finished", "failed"):
             raise UnsafePath(f"bad status {status!r}")
         return f"{self.queue_dir(queue)}/stats/{int(minute)}.{status}"
+
+    def deleted_mark(self, queue: str) -> str:
+        return f"{self.queue_dir(queue)}/{DELETED_MARK}"
 
     def lock_file(self, queue: str) -> str:
         return f"{self.queue_dir(queue)}/{LOCKS_DIRECTORY}/items"

@@ -35,7 +35,7 @@ from ..exceptions import (
 from . import files, stats, sweep
 from .items import Events, ItemFiles, NoEvents, Observer, done_directories
 from .keys import check_key, same_payload
-from .layout import LOCKS_DIRECTORY, Layout, is_valid_queue_name, item_id_of
+from .layout import DELETED_MARK, LOCKS_DIRECTORY, Layout, is_valid_queue_name, item_id_of
 from .pending import CAPACITY
 from .records import (
     ABSENT,
@@ -78,6 +78,13 @@ class _Settling:
     outcome: FinishOutcome
 
 
+def _check_queue_name(queue: str) -> None:
+    if not is_valid_queue_name(queue):
+        raise InvalidRequest(
+            "a queue name is 1 to 64 characters of a-z, 0-9, '_' and '-', starting with a letter or digit"
+        )
+
+
 class Store:
     """Owns `data_dir`."""
 
@@ -113,24 +120,42 @@ class Store:
 
     def ensure_queue(self, queue: str) -> None:
         """Make the queue's directories; a no-op when they exist."""
-        if not is_valid_queue_name(queue):
-            raise InvalidRequest(
-                "a queue name is 1 to 64 characters of a-z, 0-9, '_' and '-', starting with a letter or digit"
-            )
+        _check_queue_name(queue)
         with _storage_errors:
+            self._items.ensure_queue(queue)
+
+    def create_queue(self, queue: str) -> None:
+        """Make a new queue's directories. What a deleted queue of the name left behind (posts
+        that raced its deletion in processes not told yet) goes first; a directory no deletion
+        marked (its database lost and made again, say) keeps its items."""
+        _check_queue_name(queue)
+        with _storage_errors:
+            mark = self._items.layout.deleted_mark(queue)
+            if files.exists(mark):
+                self._empty_queue(queue, keep=(LOCKS_DIRECTORY, DELETED_MARK))
+                files.remove(mark)
             self._items.ensure_queue(queue)
 
     def delete_queue(self, queue: str) -> None:
         """Delete every item of the queue and its directories, but its lock files: other server
         processes keep theirs open, and a queue made again under the name must lock the same
-        files, or those processes would no longer exclude this one."""
+        files, or those processes would no longer exclude this one. Marked deleted first (see
+        `create_queue`)."""
+        with _storage_errors:
+            try:
+                files.write_new(self._items.layout.deleted_mark(queue), b"")
+            except FileExistsError:
+                pass
+            self._items.flush(self._items.layout.queue_dir(queue))
+            self._empty_queue(queue, keep=(LOCKS_DIRECTORY, DELETED_MARK))
+
+    def _empty_queue(self, queue: str, *, keep: tuple[str, ...]) -> None:
         self._items.forget_queue(queue)
         self._read_names.forget_queue(queue)
         queue_dir = self._items.layout.queue_dir(queue)
-        with _storage_errors:
-            for name in files.names(queue_dir):
-                if name != LOCKS_DIRECTORY:
-                    files.remove_tree(f"{queue_dir}/{name}")
+        for name in files.names(queue_dir):
+            if name not in keep:
+                files.remove_tree(f"{queue_dir}/{name}")
 
     def check_health(self) -> Health:
         """Whether the data directory takes a real write, flushed, and how much room is left."""
@@ -497,7 +522,6 @@ class Store:
             self._items.rewrite(queue, "done", old, mtime=old.finished_at)
         except OSError:
             log.warning("could not take back the retry of item %s of %s", old.id, queue, exc_info=True)
-
 
     def cancel_item(self, *, config: QueueConfig, item_id: str) -> tuple[Item, bool]:
         """End a scheduled, pending or processing item at once, failed `canceled`; the item, and
