@@ -101,12 +101,30 @@ def test_another_process_and_a_restarted_one_promote_what_this_one_scheduled(sto
     assert store.promote_due(config=config) == []  # promoted once
 
 
+def test_a_post_never_touches_its_scheduled_file_once_it_is_in(store, clock, config, monkeypatch):
+    """Its mark is on disk before: another process may promote the item the moment it shows, and
+    the post is answered all the same."""
+    shown = []
+
+    def hook(call, path):
+        if shown and "/scheduled/" in path:
+            raise FileNotFoundError(errno.ENOENT, "promoted meanwhile", path)
+        if call == "rename" and "/scheduled/" in path:
+            shown.append(path)
+
+    monkeypatch.setattr(files, "fault", hook)
+    (item_id,) = schedule(store, config, clock.now + 10)
+    assert shown and states_of(store, item_id) == ["scheduled"]
+
+
 def test_a_look_that_lags_never_moves_an_item_scheduled_again_since_it_listed_the_mark(store, clock, config,
                                                                                        faults):
     """Two looks list a post's mark (the promoter's and the sweep's, or two processes'): one
     moves the item (unread: it is as it was posted), a worker takes it and gives it back for
     later, and only then does the other go on with the mark it listed. The item stays scheduled
-    until its new runAt."""
+    until its new runAt. (The store's clock runs a year ahead of the machine's: file times must
+    come from the one that times the marks.)"""
+    clock.now = float(int(time.time()) + 365 * 86400)
     (item_id,) = schedule(store, config, clock.now + 10)
     clock.advance(10)
     lagging = alongside(store, clock=clock)
@@ -663,6 +681,27 @@ def test_a_retry_whose_new_item_the_disk_refused_leaves_the_old_item_naming_none
     assert files_in(store, "pending") == []
     new, made = store.retry_item(config=config, item_id=old)
     assert made and store.read_item(queue=Q, item_id=old).retried_as == new.id
+
+
+def test_a_retry_whose_flush_failed_after_a_worker_ended_its_new_item_still_names_it(store, config, monkeypatch):
+    """The new item is claimable while it is flushed: ended meanwhile, it lives on though its
+    post failed, and the old item keeps naming it (a retry asked again finds it)."""
+    (old,) = schedule(store, config, None)
+    finish(store, config, old, "r")
+    publish = store._items.publish
+
+    def ended_then_the_flush_failed(queue, items):
+        publish(queue, items)
+        (new,) = store.claim_items(config=config, max_items=1)
+        assert finish(store, config, new.id, "done anyway").accepted
+        raise OSError(errno.EIO, "injected: the flush failed")
+
+    monkeypatch.setattr(store._items, "publish", ended_then_the_flush_failed)
+    with pytest.raises(TaskhosterError):
+        store.retry_item(config=config, item_id=old)
+    monkeypatch.setattr(store._items, "publish", publish)
+    again, made = store.retry_item(config=config, item_id=old)
+    assert (made, again.status, again.result) == (False, "finished", "done anyway")
 
 
 def _elsewhere(data_dir, code: str, *, within: float = 2.0) -> bool:

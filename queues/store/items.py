@@ -249,7 +249,10 @@ class ItemFiles:
         keys: dict[str, str] = {}  # item id -> its key's link
         try:
             for item in items:
-                written.append(self.write_aside(queue, item))
+                # a scheduled item's file is timed when it was posted: what tells its promotion
+                # the post's own file (promote.py)
+                mtime = item.posted_at if item.status == "scheduled" else None
+                written.append(self.write_aside(queue, item, mtime=mtime))
                 if item.key is not None:
                     keys[item.id] = self.keys.link(queue, item.key, written[-1])
             self.flush_files(written)
@@ -265,8 +268,6 @@ class ItemFiles:
             for item, path in zip(items, written):
                 files.move(path, self.layout.item(queue, item.status, item.id))
                 moved.append(item)
-                if item.status == "scheduled":  # what tells its promotion the post's own file
-                    files.set_mtime(self.layout.item(queue, item.status, item.id), item.posted_at)
             self.flush_states(queue, *sorted({item.status for item in items}))
         except BaseException:
             for path in written[len(moved) :] + [mark.path for mark in marks]:
@@ -353,13 +354,13 @@ class ItemFiles:
             self.index(queue).push([item.id])
         return replace(item, status=target, lease_expires_at=None, claim_token=None)
 
-    def move_rewritten(self, queue: str, item: Item, source: str, target: str) -> Item:
+    def move_rewritten(self, queue: str, item: Item, source: str, target: str, *, mtime: float | None = None) -> Item:
         """Move an item from `source`/ to `target`/ with new content (under its lock): written in
         `target`/ and flushed there, then its old file retired (so a power cut never leaves
         neither). Until the move it is as it was; a crash after it leaves two copies, and the
-        sweep keeps the one in `target`/."""
+        sweep keeps the one in `target`/. `mtime` as for `rewrite`."""
         try:
-            self.rewrite(queue, target, item)
+            self.rewrite(queue, target, item, mtime=mtime)
         except BaseException:  # not flushed there: the old copy, still in place, stays the item
             files.remove_quietly(self.layout.item(queue, target, item.id))
             raise

@@ -82,7 +82,10 @@ def _promote_one(items: ItemFiles, config: QueueConfig, mark: DueMark, now: floa
         # a post's file is timed when it was posted, before its mark came due; one put there
         # after (a release for later, since another look promoted it) is read for its runAt
         if info.st_mtime < mark.due:
-            files.move(scheduled, layout.item(queue, "pending", item_id))
+            try:
+                files.move(scheduled, layout.item(queue, "pending", item_id))
+            except FileNotFoundError:
+                return _missing(items, queue, mark, now)
             return Outcome.MOVED
     item = items.read(queue, "scheduled", item_id)
     if item is None:  # not there (yet), or not an item (quarantined)

@@ -49,7 +49,8 @@ def give_back(
         due = min(back.run_at, back.posted_at + config.queue_seconds)
         mark = items.schedule.mark(queue, back.id, due, at_run_at=False)
         items.flush(*items.schedule.directories(queue, [mark]))
-    moved = items.move_rewritten(queue, back, "processing", target)
+    # timed by the clock that times the marks: a post's mark listed before this never moves it (promote.py)
+    moved = items.move_rewritten(queue, back, "processing", target, mtime=now if target == "scheduled" else None)
     items.observer.item_requeued(queue, moved, reason)
     if target == "scheduled" and promote_if_due(items, config, [mark]):
         return replace(moved, status="pending")

@@ -511,15 +511,17 @@ class Store:
         try:
             self._items.publish(queue, [new])
         except BaseException:
-            self._unrecord_retry(queue, old)
+            self._unrecord_retry(queue, old, new_id)
             raise
         return new
 
-    def _unrecord_retry(self, queue: str, old: Item) -> None:
-        """The retry's new item could not be made: the old one names none again. Should that fail
-        too (the disk that refused the new item), the next retry mends the name it keeps."""
+    def _unrecord_retry(self, queue: str, old: Item, new_id: str) -> None:
+        """The retry's new item could not be made: the old one names none again (unless the new
+        one lives on after all: a worker ended it before its flush failed). Should that fail too
+        (the disk that refused the new item), the next retry mends the name it keeps."""
         try:
-            self._items.rewrite(queue, "done", old, mtime=old.finished_at)
+            if self._items.find(queue, new_id) is None:
+                self._items.rewrite(queue, "done", old, mtime=old.finished_at)
         except OSError:
             log.warning("could not take back the retry of item %s of %s", old.id, queue, exc_info=True)
 
