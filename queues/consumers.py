@@ -303,7 +303,7 @@ class WorkConsumer(AsyncWebsocketConsumer):
         claiming.add_done_callback(self.claiming.discard)
         items = await asyncio.shield(claiming)
         # an item canceled while the claim was under way is held no more: its worker never sees it
-        return [item for item in items if (config.name, item.id) in self.held]
+        return [item for item in items if self.held.get((config.name, item.id)) == item.claim_token]
 
     def hold_claimed(self, queue: str, claiming: asyncio.Future) -> None:
         if claiming.cancelled() or claiming.exception() is not None:
@@ -313,6 +313,8 @@ class WorkConsumer(AsyncWebsocketConsumer):
             if hub.hold(queue, item.id, item.claim_token,
                         lambda queue, item_id: loop.call_soon_threadsafe(self.was_canceled, queue, item_id)):
                 self.held[(queue, item.id)] = item.claim_token
+            else:  # canceled meanwhile: an older claim of it this socket had lapsed
+                self.held.pop((queue, item.id), None)
 
     def was_canceled(self, queue: str, item_id: str) -> None:
         """One of the items this connection holds was canceled: it holds it no more, and its

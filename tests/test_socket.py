@@ -862,6 +862,29 @@ async def test_an_item_canceled_while_the_socket_s_claim_is_under_way_is_not_han
     assert (item.status, item.error) == ("failed", "canceled")
 
 
+async def test_an_item_canceled_while_this_socket_claims_it_again_is_left_out_though_it_held_it_before(
+        token, monkeypatch):
+    """The socket held the item by an earlier claim, which staff took back; its next claim brings
+    the item again and a cancel comes before the socket holds it: the earlier hold does not count."""
+    [item_id] = post("jobs", 1)
+    store = get_store()
+    real_claim = store.claim_items
+    async with connected(token) as ws:
+        await ask(ws, {"op": "claim", "queue": "jobs"})
+        store.release_items(releases=[Release(config("jobs"), item_id, reason="staff")])
+
+        def claim_then_cancel(**kwargs):
+            items = real_claim(**kwargs)
+            store.cancel_item(config=config("jobs"), item_id=item_id)
+            return items
+
+        monkeypatch.setattr(store, "claim_items", claim_then_cancel)
+        claimed = await ask(ws, {"op": "claim", "queue": "jobs"})
+        assert claimed["items"] == []
+        answer = await ask(ws, {"op": "extend", "queue": "jobs", "id": item_id, "seconds": 5})
+        assert answer["code"] == "not_held"
+
+
 async def test_a_cancel_is_told_to_the_socket_that_claimed_the_item_again_after_another_lost_it(token):
     """Staff re-queue the item a first socket holds, a second claims it, the first closes: a
     cancel still reaches the second, which holds it now."""
