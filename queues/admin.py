@@ -76,7 +76,7 @@ class QueueAdmin(admin.ModelAdmin):
 
     def save_model(self, request, obj, form, change):
         super().save_model(request, obj, form, change)
-        get_store().ensure_queue(obj.name)
+        (get_store().ensure_queue if change else get_store().create_queue)(obj.name)
         # once saved for good: the admin's form view is one transaction
         before = form.initial.get("queue_seconds") if change else None
         transaction.on_commit(lambda: timeouts_lowered(obj, before))

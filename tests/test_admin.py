@@ -208,16 +208,21 @@ def test_deleting_a_queue_deletes_its_items(admin_client, settings):
     assert sorted(p.name for p in (settings.TASKHOSTER_DATA_DIR / "thumbs").iterdir()) == ["deleted", "locks"]  # items gone
 
 
-def test_a_queue_made_again_after_its_deletion_starts_empty(admin_client, settings):
+@pytest.mark.parametrize("made_again_by", ["save_queue", "the admin's form"])
+def test_a_queue_made_again_after_its_deletion_starts_empty(admin_client, settings, made_again_by):
     """A post another server process took in the second before it heard of the deletion stays
-    out of the queue made again under the name."""
+    out of the queue made again under the name (by createqueue, the dashboard or the admin)."""
     queue = save_queue("thumbs")
     elsewhere = Store(settings.TASKHOSTER_DATA_DIR, fsync=False)
     post_batch(elsewhere, "thumbs", [1])
     admin_client.post(f"/admin/queues/queue/{queue.pk}/delete/", {"post": "yes"})
     post_batch(elsewhere, "thumbs", [2])  # not told yet
-    save_queue("thumbs")
+    if made_again_by == "save_queue":
+        save_queue("thumbs")
+    else:
+        assert admin_client.post("/admin/queues/queue/add/", VALID_QUEUE).status_code == 302
     assert get_store().count_items(queue="thumbs").pending == 0
+    assert not (settings.TASKHOSTER_DATA_DIR / "thumbs" / "deleted").exists()
 
 
 def test_a_new_token_value_is_shown_once_and_only_its_hash_is_kept(admin_client):
