@@ -160,7 +160,7 @@ def test_a_queue_the_disk_refuses_to_make_is_a_message_not_a_500_and_saves_nothi
     def refuse(name):
         raise StorageUnavailable("the data directory cannot be written: No space left on device")
 
-    monkeypatch.setattr(get_store(), "ensure_queue", refuse)
+    monkeypatch.setattr(get_store(), "create_queue", refuse)  # what adding a queue calls
     response = admin_client.post("/admin/queues/queue/add/", VALID_QUEUE, follow=True)
     assert response.status_code == 200
     assert b"The queue was not saved: the data directory cannot be written" in response.content
