@@ -156,6 +156,15 @@ def test_createqueue_on_the_command_line_tells_a_bad_value_in_one_line(installed
     assert not (installed.data_dir / "thumbs").exists()
 
 
+@pytest.mark.parametrize("args", [["createtoken"], ["createtoken", "ci", "--bogus"], ["revoketoken"]], ids=str)
+def test_the_token_commands_on_the_command_line_tell_a_bad_argument_in_one_line(installed, args):
+    done = subprocess.run([sys.executable, str(MANAGE), *args], cwd=PROJECT_DIR, env=installed.environ(),
+                          capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout) == (1, "")
+    [line] = done.stderr.splitlines()
+    assert line.startswith("CommandError: ")
+
+
 def test_createqueue_refuses_when_the_data_directory_cannot_be_written(settings, tmp_path):
     (tmp_path / "a-file").write_text("")
     settings.TASKHOSTER_DATA_DIR = tmp_path / "a-file" / "data"

@@ -3,9 +3,10 @@ import json
 import time
 
 from django.core.exceptions import ValidationError
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import CommandError
 
 from queues.exceptions import TaskhosterError
+from queues.management.one_line import OneLineErrors
 from queues.models import Queue
 from queues.runtime import get_store
 from queues.services import SETTING_FIELDS, describe_queue, save_queue, validation_messages
@@ -26,21 +27,8 @@ def _max_attempts(text: str):
         raise argparse.ArgumentTypeError(f"expected a whole number or 'none', not {text!r}") from None
 
 
-class Command(BaseCommand):
+class Command(OneLineErrors):
     help = "Create a queue, or change only the given settings of an existing one; prints it as JSON."
-
-    def create_parser(self, prog_name, subcommand, **kwargs):
-        parser = super().create_parser(prog_name, subcommand, **kwargs)
-        usage_and_error = parser.error
-
-        def error(message: str) -> None:
-            # one line, as for a value out of range, not argparse's usage before it
-            if parser.called_from_command_line:
-                parser.exit(1, f"CommandError: {message}\n")
-            usage_and_error(message)
-
-        parser.error = error
-        return parser
 
     def add_arguments(self, parser):
         parser.add_argument("name")

@@ -1,12 +1,13 @@
 from django.core.exceptions import ValidationError
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import CommandError
 from django.db import transaction
 
+from queues.management.one_line import OneLineErrors
 from queues.models import ApiToken, Queue
 from queues.services import validation_messages
 
 
-class Command(BaseCommand):
+class Command(OneLineErrors):
     help = (
         "Make an API token (to produce and work unless --produce, --work or --metrics is given); prints only "
         "the token. A name may be given to several tokens; --replace revokes the others of that name."

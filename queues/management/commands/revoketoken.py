@@ -1,9 +1,10 @@
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import CommandError
 
+from queues.management.one_line import OneLineErrors
 from queues.models import ApiToken
 
 
-class Command(BaseCommand):
+class Command(OneLineErrors):
     help = "Revoke (delete) the API tokens of this name: requests with them are refused within a second."
 
     def add_arguments(self, parser):
