@@ -59,7 +59,10 @@ class Sweeper:
                 log.exception("sweep pass failed")
                 changes = {}
             if changes and report:
-                report(changes)
+                try:
+                    report(changes)
+                except Exception:  # its output was closed, say: the sweeping goes on
+                    log.exception("could not report what a sweep pass changed")
             stop.wait(interval)
 
 

@@ -159,6 +159,26 @@ def test_run_passes_until_stopped_and_survives_a_failing_pass(store, clock, conf
     assert len(calls) == 2
 
 
+def test_run_goes_on_sweeping_when_its_report_cannot_be_written(store, clock, config):
+    """`manage.py sweep` prints each pass's changes: a closed stdout must not end the sweeping."""
+    post_batch(store, "jobs", [1])
+    store.claim_items(config=config)
+    clock.advance(config.lease_seconds + 1)
+    reports = []
+    stop = threading.Event()
+
+    def report(changes):
+        reports.append(changes)
+        if len(reports) == 1:
+            store.claim_items(config=config)  # lapses again by the next pass
+            clock.advance(config.lease_seconds + 1)
+            raise BrokenPipeError(32, "Broken pipe")
+        stop.set()
+
+    Sweeper(store, lambda: [config]).run(interval=0.01, stop=stop, report=report)
+    assert reports == [{"jobs": {**QUIET, "requeued": 1}}] * 2
+
+
 def test_several_sweepers_at_once_change_each_item_once(tmp_path, clock, config):
     """Two sweepers per process (threads), as if from two processes (two stores), race over the
     same lapsed items: each item is re-queued exactly once."""
