@@ -60,9 +60,12 @@ def timeouts_lowered(queue: Queue, before: int | None) -> None:
 
 
 def delete_queue(queue: Queue) -> None:
-    """Delete the queue and every item in it."""
-    queue.delete()
-    get_store().delete_queue(queue.name)
+    """Delete the queue and every item in it. One the disk refuses (StorageUnavailable) keeps the
+    queue: a directory left without its deletion mark would give its items to a queue made again
+    under the name."""
+    with transaction.atomic():
+        queue.delete()
+        get_store().delete_queue(queue.name)
 
 
 def describe_queue(config: QueueConfig, counts: Counts, now: float) -> dict:

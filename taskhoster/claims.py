@@ -68,7 +68,8 @@ class Claims:
             self._fill_timer = None
 
     def stop(self) -> None:
-        """No more claims: the worker is stopping. A claim still out gives its items back."""
+        """No more claims: the worker is stopping. What a claim still out brings runs while the
+        stop waits for running handlers, else goes back (see _claimed)."""
         self._stopped = True
 
     def items_likely_waiting(self) -> bool:

@@ -208,6 +208,25 @@ def test_deleting_a_queue_deletes_its_items(admin_client, settings):
     assert sorted(p.name for p in (settings.TASKHOSTER_DATA_DIR / "thumbs").iterdir()) == ["deleted", "locks"]  # items gone
 
 
+def test_a_deletion_the_disk_refuses_keeps_the_queue(db, monkeypatch):
+    """Else its directory, left without the deletion's mark, would give its items to a queue made
+    again under the name."""
+    from queues.exceptions import StorageUnavailable
+    from queues.services import delete_queue
+
+    save_queue("thumbs")
+    post_batch(get_store(), "thumbs", [1])
+
+    def refuse(name):
+        raise StorageUnavailable("the data directory cannot be written: No space left on device")
+
+    monkeypatch.setattr(get_store(), "delete_queue", refuse)
+    with pytest.raises(StorageUnavailable):
+        delete_queue(Queue.objects.get(name="thumbs"))
+    assert Queue.objects.filter(name="thumbs").exists()
+    assert get_store().count_items(queue="thumbs").pending == 1
+
+
 @pytest.mark.parametrize("made_again_by", ["save_queue", "the admin's form"])
 def test_a_queue_made_again_after_its_deletion_starts_empty(admin_client, settings, made_again_by):
     """A post another server process took in the second before it heard of the deletion stays

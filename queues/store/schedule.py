@@ -6,10 +6,11 @@ when a process first looks at a queue and every RELIST_SECONDS after, for marks 
 passed by (made by a process whose clock is behind, or whose item could not be moved then).
 
 A mark is made, and flushed, before its item shows in scheduled/, so no scheduled item is ever
-without one; a mark whose item is not in scheduled/ (it ended, or another process moved it) is
-simply removed when it comes due. A mark that is due by the time its item shows is left to its
-maker, which promotes the item then (promote.py): a look may have passed its slot, or removed it
-as stale, before the item showed. A post's mark is for the item's runAt, and the item can be moved
+without one; a mark whose item has moved on from scheduled/ (it ended, or another process moved
+it) is removed when it comes due, and one whose item is not there yet stays for a later look (a
+leftover after STALE_SECONDS). A mark that is due by the time its item shows is left to its
+maker, which promotes the item then (promote.py): a look may have passed its slot for good
+before the item showed. A post's mark is for the item's runAt, and the item can be moved
 without reading it; any other mark (a worker's release for later, whose item may be scheduled again
 if the release fails; when the item ages out, or ends) is named `<due>.<id>.read`: its item is read
 to see what is due."""

@@ -132,7 +132,7 @@ class Store:
         with _storage_errors:
             mark = self._items.layout.deleted_mark(queue)
             if files.exists(mark):
-                self._empty_queue(queue, keep=(LOCKS_DIRECTORY, DELETED_MARK))
+                self._empty_queue(queue)
                 files.remove(mark)
             self._items.ensure_queue(queue)
 
@@ -147,14 +147,15 @@ class Store:
             except FileExistsError:
                 pass
             self._items.flush(self._items.layout.queue_dir(queue))
-            self._empty_queue(queue, keep=(LOCKS_DIRECTORY, DELETED_MARK))
+            self._empty_queue(queue)
 
-    def _empty_queue(self, queue: str, *, keep: tuple[str, ...]) -> None:
+    def _empty_queue(self, queue: str) -> None:
+        """Remove all of the queue's directory but its lock files and its deletion mark."""
         self._items.forget_queue(queue)
         self._read_names.forget_queue(queue)
         queue_dir = self._items.layout.queue_dir(queue)
         for name in files.names(queue_dir):
-            if name not in keep:
+            if name not in (LOCKS_DIRECTORY, DELETED_MARK):
                 files.remove_tree(f"{queue_dir}/{name}")
 
     def check_health(self) -> Health:
