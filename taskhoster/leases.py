@@ -4,7 +4,6 @@ the item was claimed over, until its handler finishes."""
 import asyncio
 import logging
 import math
-from dataclasses import replace
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -77,9 +76,9 @@ class Leases:
         lease = self._held.get(job.id)
         if lease is None:
             self._held[job.id] = _Lease(job, link, due)
-        else:
-            # the handler holds the first claim's job: a cancel must reach it through that one
-            lease.job, lease.link, lease.due = replace(job, canceled=lease.job.canceled), link, due
+        else:  # the handler holds the first claim's job: it takes the new claim's figures
+            lease.job.claimed_again(job)
+            lease.link, lease.due = link, due
         if self._timer is None or due < self._timer.when():
             self._set_timer(due)
 

@@ -209,9 +209,6 @@ class Run:
         """The handler's result, or its error as an in-band result, into the outbox; or, when
         the item is to be given back instead (on_error "release", or "retry" with tries left),
         how. The outcome of a canceled item is dropped: the server would refuse it."""
-        # the item may have been claimed again while the handler ran (after a lost socket): its
-        # latest claim says how many tries it had
-        job = self._leases.job(job.id) or job
         if job.canceled:
             log.info("%s %s was canceled; its handler's outcome is dropped", job.queue, job.id)
             return None

@@ -198,7 +198,8 @@ def test_an_item_claimed_again_while_its_handler_runs_is_on_its_last_try_when_th
         live, producer, monkeypatch):
     """The socket drops mid-handler, the server re-queues the item, and the worker's next claim
     brings it back (attempt 2 of 2) while the first run goes on: when that run fails, giving the
-    item back would end it max_attempts, so its error is handed in as its result."""
+    item back would end it max_attempts, so its error is handed in as its result. The handler's
+    job shows that latest claim too."""
     links = []
     real_hold = leases_module.Leases.hold
 
@@ -212,7 +213,7 @@ def test_an_item_claimed_again_while_its_handler_runs_is_on_its_last_try_when_th
         await links[0].socket.close()
         while len(links) < 2:
             await asyncio.sleep(0.01)
-        raise RuntimeError(f"failed, claimed {job.attempts} time(s) when it began")
+        raise RuntimeError(f"failed, claimed {job.attempts} time(s) by now")
 
     item = producer.post("last-try-again", "x")
     worker = Worker(live.url, live.token, queues=["last-try-again"], concurrency=2, on_error="retry",
@@ -220,7 +221,7 @@ def test_an_item_claimed_again_while_its_handler_runs_is_on_its_last_try_when_th
     with working(worker, fails_after_a_second_claim):
         result = producer.result("last-try-again", item["id"], timeout=30)
 
-    assert result["error"]["message"] == "failed, claimed 1 time(s) when it began"
+    assert result["error"]["message"] == "failed, claimed 2 time(s) by now"  # the handler's job shows the latest claim
     ended = producer.get("last-try-again", item["id"])
     assert (ended["status"], ended["attempts"]) == ("finished", 2)
 

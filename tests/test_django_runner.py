@@ -6,6 +6,7 @@ raises fails the try before the task runs."""
 
 import asyncio
 import sys
+import threading
 import traceback
 from types import SimpleNamespace
 
@@ -176,3 +177,27 @@ async def test_the_task_finished_receivers_of_a_failed_run_find_its_error_being_
     frames = [frame.name for frame in traceback.extract_tb(trace)]
     assert frames[-1] == failing_task.func.__name__ and "_failed_on_the_loop" not in frames
     assert "_failed_on_the_loop" not in failed.value.details["traceback"]  # the error as the task raised it
+
+
+claimed_again = {"running": threading.Event(), "go_on": threading.Event()}
+
+
+@task
+def fails_after_its_item_is_claimed_again():
+    claimed_again["running"].set()
+    claimed_again["go_on"].wait(10)
+    raise KeyError("failed on what became the last try")
+
+
+async def test_a_task_whose_item_is_claimed_again_while_it_runs_counts_that_claim_when_it_fails(runner):
+    """The worker's socket dropped mid-task and its next claim brought the item back, now on the
+    backend's last try: the failure ends the task, not a give-back for a run more than allowed."""
+    for event in claimed_again.values():
+        event.clear()
+    first = job(attempts=MAX_ATTEMPTS - 1)
+    run = asyncio.ensure_future(runner(payload(fails_after_its_item_is_claimed_again), first))
+    assert await asyncio.to_thread(claimed_again["running"].wait, 10)
+    first.claimed_again(job(attempts=MAX_ATTEMPTS))
+    claimed_again["go_on"].set()
+    result = await asyncio.wait_for(run, 10)
+    assert result["error"]["type"] == "KeyError"
