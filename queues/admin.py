@@ -11,7 +11,7 @@ from .dashboard.display import STATES, format_duration
 from .exceptions import StorageUnavailable
 from .models import ApiToken, Queue
 from .runtime import get_registry, get_store
-from .services import delete_queue, save_queue, timeouts_lowered
+from .services import delete_queue, place_directory, save_queue, timeouts_lowered
 from .store import Counts
 
 
@@ -76,7 +76,7 @@ class QueueAdmin(admin.ModelAdmin):
 
     def save_model(self, request, obj, form, change):
         super().save_model(request, obj, form, change)
-        (get_store().ensure_queue if change else get_store().create_queue)(obj.name)
+        place_directory(obj, new=not change)
         # once saved for good: the admin's form view is one transaction
         before = form.initial.get("queue_seconds") if change else None
         transaction.on_commit(lambda: timeouts_lowered(obj, before))

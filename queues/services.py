@@ -40,10 +40,16 @@ def save_queue(name: str, *, existing: bool | None = None, **changes) -> Queue:
             setattr(queue, field, value)
         queue.full_clean()
         queue.save()
-        # inside: a queue whose directory cannot be made is not saved
-        (get_store().create_queue if new else get_store().ensure_queue)(queue.name)
+        place_directory(queue, new=new)  # inside: a queue whose directory cannot be made is not saved
     timeouts_lowered(queue, before)
     return queue
+
+
+def place_directory(queue: Queue, *, new: bool) -> None:
+    """The queue's directory on disk: a new queue's made afresh (what a deletion of its name left
+    behind is cleared first), an existing one's made again where it is missing."""
+    store = get_store()
+    (store.create_queue if new else store.ensure_queue)(queue.name)
 
 
 def timeouts_lowered(queue: Queue, before: int | None) -> None:
