@@ -23,7 +23,8 @@ from django.http.request import split_domain_port, validate_host
 from . import ids
 from .budget import BODIES_AT_ONCE, receiving
 from .events import hub
-from .exceptions import Forbidden, InvalidRequest, NotHeld, PayloadTooLarge, TaskhosterError, UnknownQueue, client_error
+from .exceptions import (Forbidden, InvalidJson, InvalidRequest, NotHeld, PayloadTooLarge, TaskhosterError, UnknownQueue,
+                         client_error)
 from .protocol import (
     MAX_CLAIM,
     MAX_LEASE_SECONDS,
@@ -223,7 +224,7 @@ class WorkConsumer(AsyncWebsocketConsumer):
             json_object(frame, allowed=FIELDS[op], what="the frame")
             await getattr(self, f"handle_{op}")(frame, ref)
         except Exception as exc:
-            if ref is None and isinstance(exc, PayloadTooLarge):  # too large to be parsed
+            if ref is None and isinstance(exc, (PayloadTooLarge, InvalidJson)):  # too large, or too deep, to be read
                 ref = ref_of_unread(data)
             elif ref is None and isinstance(exc, NumberOutOfRange) and isinstance(exc.value, dict):
                 ref = exc.value.get("ref")  # JSON after all: its answer names it

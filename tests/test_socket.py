@@ -18,6 +18,7 @@ from queues import consumers, runtime
 from queues.bridge import ChannelBridge, group_name
 from queues.events import Hub, hub
 from queues.models import ApiToken
+from queues.protocol import MAX_DEPTH
 from queues.runtime import get_registry, get_store, run
 from queues.services import save_queue
 from queues.store import NewItem, QueueConfig, Release, files, turn
@@ -377,6 +378,23 @@ async def test_frames_over_the_body_limit_are_too_large_and_answered_by_their_re
         answer = await ask(ws, {"op": "claim", "queue": "jobs", "pad": {"ref": 2, "more": "x" * 1000}})
         assert (answer["code"], answer["ref"]) == ("payload_too_large", None)  # a ref inside is not the frame's
         assert (await ask(ws, {"op": "claim", "queue": "jobs"}))["op"] == "items"
+
+
+async def test_a_frame_too_deep_or_cut_short_is_answered_by_its_ref_where_clients_put_it(token):
+    """JSON nested past the limit, or a frame cut off: not read, yet its answer names its ref, so
+    a client waiting on that ref hears of it instead of giving up on the socket."""
+    [item_id] = post("jobs", 1)
+    deep = "[" * MAX_DEPTH + "]" * MAX_DEPTH
+    async with connected(token) as ws:
+        answer = await ask(ws, '{"ref": "deep", "op": "result", "queue": "jobs", "id": "%s", "result": %s}'
+                           % (item_id, deep))
+        assert (answer["code"], answer["ref"]) == ("invalid_json", "deep")
+        answer = await ask(ws, '{"op": "extend", "queue": "jobs", "id": "%s", "seconds": %s, "ref": 7}'
+                           % (item_id, deep))
+        assert (answer["code"], answer["ref"]) == ("invalid_json", 7)
+        answer = await ask(ws, '{"ref": "cut", "op": "claim", "queue": "jobs", "max": ')
+        assert (answer["code"], answer["ref"]) == ("invalid_json", "cut")
+        assert status("jobs", item_id) == "pending"
 
 
 async def test_a_frame_over_the_limit_is_refused_at_once_while_other_frames_fill_the_budget(token, settings, monkeypatch):
