@@ -116,6 +116,29 @@ async def test_an_unknown_or_malformed_queue_is_unknown_queue_for_a_token_that_m
     assert not (get_store().data_dir / queue).exists()
 
 
+@pytest.mark.parametrize(("method", "path", "body"), QUEUE_CALLS, ids=_ids(QUEUE_CALLS))
+@pytest.mark.parametrize("queue", ["jobs%2Fitems", "%2E%2E", "jobs%2F..%2Fother"])
+async def test_an_encoded_queue_segment_is_unknown_queue_not_another_path(
+    api, tokens, snapshot, method, path, body, queue
+):
+    """`%2F` stays inside its segment: the queue named `jobs/items` breaks the name rule, and is
+    not read as the path /api/queues/jobs/items."""
+    answer = await call(api, method, path, body, bearer(tokens["all"]), queue=queue)
+
+    assert_refused(answer, 404, "unknown_queue", snapshot)
+
+
+async def test_an_encoded_slash_in_an_item_id_is_not_found_not_another_call(api, tokens, queues):
+    posted = await api.post("/api/queues/jobs/items", json={"payload": 1}, headers=bearer(tokens["all"]))
+    await api.post("/api/queues/jobs/claim", json={}, headers=bearer(tokens["all"]))
+    item_id = posted.json()["id"]
+    snapshot = disk_snapshot()
+
+    answer = await api.get(f"/api/queues/jobs/items/{item_id}%2Fresult", headers=bearer(tokens["all"]))
+
+    assert_refused(answer, 404, "not_found", snapshot)
+
+
 async def test_the_bearer_scheme_is_case_insensitive(api, tokens, queues):
     answer = await api.get("/api/queues", headers={"Authorization": f"bearer {tokens['all']}"})
 

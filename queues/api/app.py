@@ -36,7 +36,7 @@ class ApiApplication:
 
     async def _answer(self, request: Request) -> Answer:
         try:
-            found = self.router.resolve(request.method, request.path)
+            found = self.router.resolve(request.method, request.segments)
             if found.route is None and found.allowed:
                 allow = ", ".join(found.allowed).encode()
                 return answer_for(MethodNotAllowed(f"{request.method} is not allowed here"), ((b"allow", allow),))

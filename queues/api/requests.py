@@ -3,7 +3,7 @@ size limit and within the process's budget of body bytes."""
 
 import asyncio
 from functools import cached_property
-from urllib.parse import parse_qsl
+from urllib.parse import parse_qsl, unquote
 
 from ..budget import BODIES_AT_ONCE, BODY_IDLE_SECONDS, BodyBudget, receiving
 from ..exceptions import InvalidRequest, PayloadTooLarge
@@ -32,6 +32,15 @@ class Request:
     @property
     def path(self) -> str:
         return self.scope["path"]
+
+    @property
+    def segments(self) -> list[str]:
+        """The path's segments, each percent-decoded on its own: an encoded slash (`%2F`) stays
+        inside its segment, so `/api/queues/a%2Fb` names the queue `a/b` (refused as any bad name)."""
+        raw = self.scope.get("raw_path")
+        if raw is None:
+            return self.path.split("/")
+        return [unquote(segment) for segment in raw.decode("latin-1").split("/")]
 
     def header(self, name: bytes) -> str | None:
         for key, value in self.scope["headers"]:

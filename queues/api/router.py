@@ -53,8 +53,8 @@ class Router:
 
         return register
 
-    def resolve(self, method: str, path: str) -> Resolution:
-        segments = path.split("/")
+    def resolve(self, method: str, segments: list[str]) -> Resolution:
+        """Where a request for the path `segments` (as Request.segments) goes."""
         allowed = []
         for route in self.routes:
             params = route.match(segments)
