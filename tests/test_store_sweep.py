@@ -233,6 +233,30 @@ def test_on_a_full_disk_retention_still_runs_though_an_aged_item_cannot_end(stor
     assert store.sweep_queue(config=config).failed == [aged_id]
 
 
+def test_on_a_full_disk_an_item_that_cannot_end_holds_back_no_other_lapsed_lease(store, clock, config, faults,
+                                                                                 caplog, monkeypatch):
+    """An item on its last try ends when its lease lapses, which writes its done file and a full
+    disk refuses; the lapsed items listed after it go back all the same (a rename each), and it
+    ends in the first pass after space came back."""
+    twice = replace(config, max_attempts=2)
+    last_try, *others = post(store, 1, 2, 3)
+    claim_one(store, twice)
+    release(store, twice, last_try)
+    store.claim_items(config=twice, max_items=3)
+    assert store.read_item(queue=Q, item_id=last_try).attempts == 2
+    listed = files.names
+    monkeypatch.setattr(files, "names", lambda directory: sorted(listed(directory), key=lambda name: last_try not in name))
+    clock.advance(config.lease_seconds + 1)
+    faults.fail(where=f"/{Q}/tmp/", error=errno.ENOSPC, persist=True)
+    changes = store.sweep_queue(config=twice)
+    assert (sorted(changes.requeued), changes.failed) == (sorted(others), [])
+    assert [states_of(store, item_id) for item_id in (last_try, *others)] == [["processing"], ["pending"], ["pending"]]
+    assert "requeue_lapsed failed on " + last_try in caplog.text
+    faults.clear()
+    assert store.sweep_queue(config=twice).failed == [last_try]
+    assert store.read_item(queue=Q, item_id=last_try).error == "max_attempts"
+
+
 def test_failed_items_are_retained_like_finished_ones(store, clock, config):
     fetched = replace(config, retain_from="fetched")
     (item_id,) = post(store)

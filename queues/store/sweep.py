@@ -12,7 +12,7 @@ or a transition made meanwhile is simply skipped.
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TypeVar
 
 from .. import ids
@@ -50,14 +50,32 @@ def sweep_queue(items: ItemFiles, config: QueueConfig) -> SweepChanges:
 
 
 def _step(queue: str, step: Callable[..., T], /, *args, nothing: T) -> T:
-    """One step of a pass; a disk fault in it is logged and the pass goes on (its changes so far
-    are made, but not counted): on a full disk, where an aged item cannot be ended (its done file
-    is a write), retention still runs and frees space."""
+    """One step of a pass; a disk fault in it (a listing it cannot make) is logged and the pass
+    goes on: on a full disk, where an aged item cannot be ended (its done file is a write),
+    retention still runs and frees space."""
     try:
         return step(*args)
     except OSError:
         log.exception("sweep of queue %s: %s failed; the pass goes on", queue, step.__name__.lstrip("_"))
         return nothing
+
+
+def _each(queue: str, step: str, item_ids: Iterable[str], change: Callable[[str], T]) -> list[tuple[str, T]]:
+    """`change(item_id)` for each item, and what it came to; a disk fault on one item is logged
+    (the first, then how many) and the step goes on with the others: one item whose done file
+    cannot be written must not keep every lapsed lease after it from going back."""
+    outcomes, faults = [], 0
+    for item_id in item_ids:
+        try:
+            outcomes.append((item_id, change(item_id)))
+        except OSError:
+            faults += 1
+            if faults == 1:
+                log.exception("sweep of queue %s: %s failed on %s; the others go on", queue, step, item_id)
+    if faults > 1:
+        log.warning("sweep of queue %s: %s failed on %d items in all; the next pass tries them again",
+                    queue, step, faults)
+    return outcomes
 
 
 def _repair(items: ItemFiles, queue: str, listing: dict[str, list[str]]) -> list[str]:
@@ -72,18 +90,16 @@ def _repair(items: ItemFiles, queue: str, listing: dict[str, list[str]]) -> list
     # removed the processing copy is found from processing/: one stat per item in flight
     doubled.update(name for name in listing["processing"]
                    if files.exists(items.layout.in_directory(queue, "scheduled", name)))
-    repaired = []
-    for name in sorted(doubled):
-        item_id = item_id_of(name)
-        if item_id is None:
-            continue
+
+    def settle(item_id: str) -> bool:
         with items.lock(queue, item_id):
             present = [s for s in KEEP_FIRST if files.exists(items.layout.item(queue, s, item_id))]
             for state in present[1:]:
                 files.remove(items.layout.item(queue, state, item_id))
-        if len(present) > 1:
-            repaired.append(item_id)
-    return repaired
+        return len(present) > 1
+
+    item_ids = filter(None, map(item_id_of, sorted(doubled)))
+    return [item_id for item_id, settled in _each(queue, "repair", item_ids, settle) if settled]
 
 
 def _fail_aged(items: ItemFiles, config: QueueConfig, names: list[str]) -> list[str]:
@@ -91,44 +107,41 @@ def _fail_aged(items: ItemFiles, config: QueueConfig, names: list[str]) -> list[
     queue, now = config.name, items.clock()
     # names sort by posting time: those below the bound were posted at or before the cutoff
     bound = ids.time_prefix(int((now - config.queue_seconds) * 1000) + 1)
-    failed = []
-    for name in filter(bound.__gt__, names):
-        item_id = item_id_of(name)
-        if item_id is None:
-            continue
+
+    def fail(item_id: str) -> bool:
         with items.lock(queue, item_id):
             found = items.find(queue, item_id)
             if found is None or found[0] == "done" or now - found[1].posted_at <= config.queue_seconds:
-                continue
-            if items.end(queue, found[0], timed_out(found[1], now)):
-                failed.append(item_id)
-    return failed
+                return False
+            return items.end(queue, found[0], timed_out(found[1], now))
+
+    item_ids = filter(None, map(item_id_of, filter(bound.__gt__, names)))
+    return [item_id for item_id, ended in _each(queue, "fail_aged", item_ids, fail) if ended]
 
 
 def _requeue_lapsed(items: ItemFiles, config: QueueConfig, names: list[str]) -> tuple[list[str], list[str]]:
     """Move every processing item whose lease has lapsed back to pending, or end it failed if it
     aged meanwhile or had its maxAttempts; the ids re-queued, and those ended."""
     queue, now = config.name, items.clock()
-    requeued, ended = [], []
-    for name in names:
-        item_id = item_id_of(name)
-        if item_id is None:
-            continue
+
+    def requeue(item_id: str) -> str | None:
+        """What became of the item: "pending", "failed" (aged, G6, or it had its maxAttempts), or
+        None (left as it was)."""
         info = files.status(items.layout.item(queue, "processing", item_id))
         if info is None or info.st_mtime > now:
-            continue  # gone, or the mtime (the lease expiry) says it still runs
+            return None  # gone, or the mtime (the lease expiry) says it still runs
         with items.lock(queue, item_id):
             found = items.find(queue, item_id)  # the copy that wins: a stray copy stays put
             if found is None or found[0] != "processing":
-                continue
+                return None
             item = found[1]
             if item.lease_expires_at is not None and item.lease_expires_at > now:
-                continue  # extended meanwhile
-            if give_back(items, config, item, now=now, reason="lease").status == "failed":
-                ended.append(item_id)  # aged (G6), or it had its maxAttempts
-                continue
-        requeued.append(item_id)
-    return requeued, ended
+                return None  # extended meanwhile
+            return "failed" if give_back(items, config, item, now=now, reason="lease").status == "failed" else "pending"
+
+    outcomes = _each(queue, "requeue_lapsed", filter(None, map(item_id_of, names)), requeue)
+    return ([item_id for item_id, became in outcomes if became == "pending"],
+            [item_id for item_id, became in outcomes if became == "failed"])
 
 
 def _delete_expired(items: ItemFiles, config: QueueConfig, done: list[str]) -> list[str]:
@@ -148,23 +161,24 @@ def _delete_expired(items: ItemFiles, config: QueueConfig, done: list[str]) -> l
         candidates = (item_id_of(name) for name in filter(bound.__gt__, done))
         due = [i for i in candidates if i is not None and _ended_by(layout.item(queue, "done", i), cutoff)]
     keyed = items.keys.any(queue)
-    deleted = []
-    for item_id in due:
+
+    def delete(item_id: str) -> bool:
         key = _key_of(items, layout.item(queue, "done", item_id), item_id) if keyed else None
         with items.keys.hold(queue, [key] if key else []), items.lock(queue, item_id):
             if not files.exists(layout.item(queue, "done", item_id)):
-                continue  # deleted by another sweeper, or a fetched mark of an end that was undone
+                return False  # deleted by another sweeper, or a fetched mark of an end that was undone
             # a copy a crash left in another state goes first, so the item never comes back
             for state in ("pending", "processing", "scheduled"):
                 files.remove(layout.item(queue, state, item_id))
             if not files.remove(layout.item(queue, "done", item_id)):
-                continue  # another sweeper was first
+                return False  # another sweeper was first
             for mark in MARKS:
                 files.remove(layout.mark(queue, mark, item_id))
             if key and items.keys.holder(queue, key) == item_id:
                 items.keys.remove(queue, key)  # the key goes with its item: a later post makes a new one
-        deleted.append(item_id)
-    return deleted
+        return True
+
+    return [item_id for item_id, gone in _each(queue, "delete_expired", due, delete) if gone]
 
 
 def _key_of(items: ItemFiles, path: str, item_id: str) -> str | None:
