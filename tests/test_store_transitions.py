@@ -572,6 +572,16 @@ def test_extend_of_an_item_not_processing_is_not_held(store, config):
     assert store.read_item(queue=Q, item_id=held.id).lease_expires_at == held.lease_expires_at
 
 
+def test_extend_of_an_item_whose_claim_died_before_its_record_is_not_held(store, config):
+    """A claim killed between its rename and its record leaves a processing file nobody holds
+    (the sweep puts it back): an extension of it is refused, not a server error."""
+    (item_id,) = post(store)
+    os.rename(queue_dir(store) / "pending" / f"{item_id}.json", queue_dir(store) / "processing" / f"{item_id}.json")
+    with pytest.raises(NotHeld):
+        store.extend_lease(queue=Q, item_id=item_id, seconds=100)
+    assert store.read_item(queue=Q, item_id=item_id).lease_expires_at is None
+
+
 def test_a_stale_claim_leaves_the_item_to_the_claim_that_holds_it(store, clock, config):
     """G8 at store level: a closed socket re-queues only what its claims still hold."""
     (item_id,) = post(store)

@@ -389,14 +389,23 @@ class ItemFiles:
         self.flush_states(queue, state)
 
     def record_claim(self, queue: str, item: Item) -> None:
-        """Record a processing item's claim (under its lock): the lease as the file's mtime, for
-        the sweep, then the claim record, which is the step that commits it. Not flushed: only
-        posts and results must be on disk before they are answered (after a power cut the item
-        is pending again, or its lease lapses). Without xattrs the file is replaced whole."""
+        """Record a processing item's claim (under its lock): the claim record, which commits it,
+        then the lease as the file's mtime, which only spares the sweep a read: it passes over a
+        file whose mtime is to come, and reads the record of any other before it re-queues it.
+        So a record that cannot be written leaves the mtime as it was (set first, a failed
+        extension would hide a lapsed lease from the sweep for as long as it asked), and an
+        mtime that cannot be set leaves the sweep reading the record, or waiting at most for the
+        lease the item had before. Not flushed: only posts and results must be on disk before
+        they are answered (after a power cut the item is pending again, or its lease lapses).
+        Without xattrs the file is replaced whole."""
         path = self.layout.item(queue, "processing", item.id)
         if self.claim_xattrs:
-            files.set_mtime(path, item.lease_expires_at)
             if files.set_xattr(path, CLAIM_XATTR, encode_claim(item)):
+                try:
+                    files.set_mtime(path, item.lease_expires_at)
+                except OSError:
+                    log.warning("could not set the lease of %s as its time; the sweep reads its record", path,
+                                exc_info=True)
                 return
             self.claim_xattrs = False
         tmp = self.write_aside(queue, item, mtime=item.lease_expires_at)

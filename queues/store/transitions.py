@@ -467,6 +467,8 @@ class Store:
         self._check_item_id(queue, item_id)
         with _storage_errors, self._items.lock(queue, item_id):
             item = self._held(queue, item_id, claim_token)
+            if item.claim_token is None:  # a claim that died before its record: the sweep puts it back
+                raise NotHeld(f"item {item_id} is not held: its claim did not finish")
             item = replace(item, lease_expires_at=self.clock() + seconds)
             self._items.record_claim(queue, item)
             return item
