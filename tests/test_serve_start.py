@@ -130,12 +130,15 @@ def test_runserver_that_stops_gives_what_sockets_hold_back_without_counting_the_
 
 
 @pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
-def test_runserver_under_its_autoreloader_gives_what_sockets_hold_back_at_a_stop(tmp_path, stop):
-    """The server runs in a thread of the reloader's child, without signal handlers."""
+@pytest.mark.parametrize("to_group", [True, False], ids=["to-the-group", "to-the-parent-alone"])
+def test_runserver_under_its_autoreloader_gives_what_sockets_hold_back_at_a_stop(tmp_path, stop, to_group):
+    """The server runs in a thread of the reloader's child, without signal handlers. A signal
+    reaches every process of the group (as Ctrl-C in a terminal), or the parent alone (a plain
+    `kill`, a process manager), which passes it on to its child."""
     deployment, server, api = _runserver(tmp_path, "--max-attempts", "1", reload=True)
     try:
         with _holding_an_item(deployment, api) as item:
-            os.killpg(server.pid, stop)  # as Ctrl-C reaches every process of the terminal's group
+            (os.killpg if to_group else os.kill)(server.pid, stop)
             server.wait(30)
             store = Store(deployment.data_dir, fsync=False)
             deadline = time.monotonic() + 30  # the reloader's child may end after its parent
