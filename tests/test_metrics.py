@@ -7,7 +7,9 @@ from contextlib import contextmanager
 
 import pytest
 from channels.testing import WebsocketCommunicator
+from django.contrib.sessions.backends.db import SessionStore
 from django.core.management import call_command
+from django.db import OperationalError
 from django.test import Client
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -141,6 +143,24 @@ def test_staff_read_metrics_and_other_users_do_not(django_user_model, queues):
         client = Client()
         client.force_login(user)
         assert client.get("/metrics").status_code == status
+
+
+def test_a_session_the_database_cannot_read_is_storage_unavailable_not_a_server_error(django_user_model, queues,
+                                                                                       monkeypatch):
+    staff = django_user_model.objects.create_user("operator", password="pw", is_staff=True)
+    client = Client()
+    client.force_login(staff)
+
+    def database_down(self):
+        raise OperationalError("the database does not answer")
+
+    async def database_down_async(self):
+        database_down(self)
+
+    monkeypatch.setattr(SessionStore, "_get_session_from_db", database_down)
+    monkeypatch.setattr(SessionStore, "_aget_session_from_db", database_down_async)
+    answer = client.get("/metrics")
+    assert (answer.status_code, answer.json()["error"]) == (503, "storage_unavailable")
 
 
 def test_createtoken_metrics_makes_a_token_with_only_that_right(queues, capsys):
