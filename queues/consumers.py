@@ -112,6 +112,11 @@ def frame_too_large(size: int) -> PayloadTooLarge:
     return PayloadTooLarge(f"the frame is {size} bytes or more; the limit is {limit} (TASKHOSTER_MAX_BODY_BYTES)")
 
 
+def canceled_notice(queue: str, item_id: str) -> str:
+    # a notice, not an answer: it carries no ref
+    return json.dumps({"op": "canceled", "queue": queue, "id": item_id}, separators=(",", ":"))
+
+
 def parse_frame(data: str | bytes) -> dict:
     """A text frame, or a binary one holding UTF-8 JSON, as a JSON object."""
     raw = data.encode("utf-8", "surrogatepass") if isinstance(data, str) else data
@@ -321,9 +326,7 @@ class WorkConsumer(AsyncWebsocketConsumer):
         """One of the items this connection holds was canceled: it holds it no more, and its
         worker is told, so it can stop working on it."""
         if self.held.pop((queue, item_id), None) is not None:
-            # a notice, not an answer: it carries no ref
-            notice = json.dumps({"op": "canceled", "queue": queue, "id": item_id}, separators=(",", ":"))
-            asyncio.ensure_future(self.send(text_data=notice))
+            asyncio.ensure_future(self.send(text_data=canceled_notice(queue, item_id)))
 
     def let_go_of(self, queue: str, item_id: str) -> None:
         if (token := self.held.pop((queue, item_id), None)) is not None:
@@ -365,8 +368,22 @@ class WorkConsumer(AsyncWebsocketConsumer):
         seconds = number_field(frame, "seconds", low=1, high=MAX_LEASE_SECONDS)
         await self.work_queue(name)
         token = await self.held_token(name, item_id)
-        item = await run(get_store().extend_lease, queue=name, item_id=item_id, seconds=seconds, claim_token=token)
+        try:
+            item = await run(get_store().extend_lease, queue=name, item_id=item_id, seconds=seconds, claim_token=token)
+        except NotHeld:
+            await self.tell_if_canceled(name, item_id, token)
+            raise
         await self.answer("extended", ref, id=item_id, leaseExpiresAt=ids.iso(item.lease_expires_at))
+
+    async def tell_if_canceled(self, queue: str, item_id: str, token: str) -> None:
+        """An item this connection held, and may no longer extend: if it was canceled, its worker
+        is told now. The notice from another server process travels the channel layer, which
+        drops it while Redis is down or restarting; a worker renewing its lease hears it so."""
+        item = await run(get_store().read_item, queue=queue, item_id=item_id)
+        if (item.status, item.error) == ("failed", "canceled") and self.held.get((queue, item_id)) == token:
+            del self.held[(queue, item_id)]
+            hub.let_go(queue, item_id, token)
+            await self.send(text_data=canceled_notice(queue, item_id))  # before the refusal it explains
 
     async def handle_release(self, frame: dict, ref) -> None:
         """Give an item this connection holds back (else `not_held`): now, or after `delay`

@@ -857,6 +857,25 @@ async def test_a_canceled_item_is_told_to_the_socket_holding_it_which_holds_it_n
     assert (item.status, item.error) == ("failed", "canceled")  # closing the socket changed nothing
 
 
+async def test_a_cancel_whose_notice_was_lost_is_told_when_the_socket_next_extends_the_item(token, monkeypatch):
+    """Made in another server process, a cancel reaches this socket over the channel layer, which
+    drops it while Redis is down: the worker's next lease renewal tells it."""
+    [item_id] = post("jobs", 1)
+    async with connected(token) as ws:
+        await ask(ws, {"op": "claim", "queue": "jobs"})
+        monkeypatch.setattr(hub, "item_canceled", lambda *args, **kwargs: None)  # the notice is lost
+        get_store().cancel_item(config=config("jobs"), item_id=item_id)
+        assert await ws.receive_nothing(timeout=0.2)
+        await ws.send_json_to({"op": "extend", "queue": "jobs", "id": item_id, "seconds": 5, "ref": "renew"})
+        told = await ws.receive_json_from(timeout=TIMEOUT)
+        assert told == {"op": "canceled", "queue": "jobs", "id": item_id}
+        answer = await ws.receive_json_from(timeout=TIMEOUT)
+        assert (answer["ref"], answer["code"]) == ("renew", "not_held")
+        answer = await ask(ws, {"op": "extend", "queue": "jobs", "id": item_id, "seconds": 5})
+        assert answer["code"] == "not_held"  # told once: the socket holds it no more
+        assert await ws.receive_nothing(timeout=0.2)
+
+
 async def test_an_item_canceled_while_the_socket_s_claim_is_under_way_is_not_handed_out(token, monkeypatch):
     """The cancel comes after the claim took the item and before the socket holds it (a claim of
     many items holds them all once the last is claimed): the claim's answer leaves it out."""
