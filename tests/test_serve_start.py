@@ -80,6 +80,22 @@ def test_a_host_outside_allowed_hosts_is_logged_with_the_variable_to_set(client,
     assert "restart with ALLOWED_HOSTS=localhost,<that name>" in caplog.text
 
 
+PREPARE = "import django; django.setup(); from queues.serving import prepare; prepare()"
+
+
+@pytest.mark.parametrize("round_", range(3))
+def test_servers_started_together_on_a_new_database_both_start(tmp_path, round_):
+    """What `serve` does first (make the data directory, migrate), in two processes at once on
+    an installation whose database has no tables yet: one migrates, then the other finds it done."""
+    deployment = Deployment(tmp_path)
+    env = {**deployment.environ(), "DJANGO_SETTINGS_MODULE": "taskhoster_site.settings"}
+    starting = [subprocess.Popen([sys.executable, "-c", PREPARE], cwd=PROJECT_DIR, env=env, stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+    outputs = [process.communicate(timeout=120)[0] for process in starting]
+    assert [process.returncode for process in starting] == [0, 0], outputs
+    deployment.create_queue("jobs")  # the schema is whole
+
+
 def _runserver(tmp_path, *queue_options: str, reload: bool = False) -> tuple[Deployment, subprocess.Popen, httpx.Client]:
     """`runserver --noreload` (or with its autoreloader, in a session of its own) over a new
     installation with the queue `short` (made with `queue_options`): the installation, the

@@ -8,7 +8,9 @@ the network is re-queued within about 30 s, and neither closes a worker's socket
 Both hold the limits of `limits`.
 """
 
+import fcntl
 import importlib
+import os
 import signal
 import threading
 from collections.abc import Callable, Coroutine, Iterator
@@ -37,17 +39,31 @@ Background = list[Callable[[], Coroutine]]
 
 
 def prepare() -> None:
-    """Bring the database schema up to date and make the data directory."""
-    call_command("migrate", interactive=False, verbosity=0)
+    """Make the data directory and bring the database schema up to date: one process at a time,
+    so servers of one installation started together on a new database do not make its tables
+    twice (one of them would fail)."""
     store = get_store()
-    get_registry().refresh()
     try:
         store.make_data_directory()
+        with _alone_in(settings.TASKHOSTER_DATA_DIR):
+            call_command("migrate", interactive=False, verbosity=0)
+        get_registry().refresh()
         for config in get_registry().queues():
             store.ensure_queue(config.name)
     except (StorageUnavailable, OSError) as exc:  # OSError: a file where a directory must be
         raise CommandError(f"cannot use the data directory {settings.TASKHOSTER_DATA_DIR} "
                            f"(TASKHOSTER_DATA_DIR): {exc}") from exc
+
+
+@contextmanager
+def _alone_in(directory) -> Iterator[None]:
+    """Hold the directory's own lock (every process of an installation shares its data directory)."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def start_sweeper(stop: threading.Event) -> list[threading.Thread]:
