@@ -83,9 +83,10 @@ def long_poll(server, token: str, item_id: str, wait: float, scraper: str) -> In
     return request
 
 
-def test_sigterm_refuses_new_connections_lets_a_request_end_and_requeues_without_ending_an_item(deployment):
+@pytest.mark.parametrize("server_name", ["uvicorn", "daphne"])
+def test_sigterm_refuses_new_connections_lets_a_request_end_and_requeues_without_ending_an_item(deployment, server_name):
     token = deployment.token
-    with deployment.server() as server:
+    with deployment.server(server=server_name) as server:
         held_id = post(server, token, "once")
         waiting_id = post(server, token, "waiting")
         with connect(server.ws_url, additional_headers={"Authorization": f"Bearer {token}"}) as worker:
@@ -107,22 +108,10 @@ def test_sigterm_refuses_new_connections_lets_a_request_end_and_requeues_without
     assert "Stopped." in server.output()
 
 
-def test_under_daphne_too_a_stop_requeues_what_sockets_hold_without_ending_an_item(deployment):
-    with deployment.server(server="daphne") as server:
-        held_id = post(server, deployment.token, "once")
-        with connect(server.ws_url, additional_headers={"Authorization": f"Bearer {deployment.token}"}) as worker:
-            worker.send(json.dumps({"op": "claim", "queue": "once"}))
-            [claimed] = json.loads(worker.recv(timeout=WAIT))["items"]
-            assert (claimed["id"], claimed["maxAttempts"]) == (held_id, 1)
-            server.process.send_signal(signal.SIGTERM)
-            assert server.process.wait(WAIT) == 0
-    item = Store(deployment.data_dir, fsync=False).read_item(queue="once", item_id=held_id)
-    assert (item.status, item.attempts) == ("pending", 1)
-
-
-def test_a_second_signal_ends_the_grace_at_once(deployment):
+@pytest.mark.parametrize("server_name", ["uvicorn", "daphne"])
+def test_a_second_signal_ends_the_grace_at_once(deployment, server_name):
     token = deployment.token
-    with deployment.server() as server:
+    with deployment.server(server=server_name) as server:
         waiting_id = post(server, token, "waiting")
         request = long_poll(server, token, waiting_id, wait=60, scraper=deployment.scraper)  # as long as the grace
         server.process.send_signal(signal.SIGTERM)

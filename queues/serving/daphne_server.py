@@ -17,6 +17,7 @@ from .limits import (
     TOO_MANY_CONNECTIONS,
     finish_leftover_tasks,
     max_frame_bytes,
+    stop_grace_seconds,
 )
 
 
@@ -102,6 +103,39 @@ class _DaphneLimits(WrappingFactory):
         return wrapper
 
 
+async def _let_requests_end(connections: dict, ports: list) -> None:
+    """Stop listening, close the worker sockets, and wait for the HTTP requests running now to
+    end, for the stop grace at most, or until a second stop signal."""
+    from daphne.ws_protocol import WebSocketProtocol  # here: importing it early would install another reactor
+
+    for port in ports:
+        port.stopListening()
+    requests = []
+    for protocol, details in list(connections.items()):
+        instance = details.get("application_instance")
+        if isinstance(protocol, WebSocketProtocol):
+            protocol.serverClose()
+        elif instance is not None and not instance.done():
+            requests.append(instance)
+    if not requests:
+        return
+    loop = asyncio.get_running_loop()
+    cut_short = loop.create_future()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: loop.call_soon_threadsafe(_settle, cut_short))
+    deadline = loop.time() + stop_grace_seconds()
+    running = set(requests)
+    while running and not cut_short.done() and loop.time() < deadline:
+        ended, _ = await asyncio.wait([*running, cut_short], timeout=deadline - loop.time(),
+                                      return_when=asyncio.FIRST_COMPLETED)
+        running -= ended
+
+
+def _settle(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
 def run(
     application, *, host: str, port: int, ready, background, max_connections: int
 ) -> bool:
@@ -121,6 +155,19 @@ def run(
         def http_factory(self, factory):
             self._limited_http_factory = _DaphneLimits(factory, max_connections=max_connections)
 
+        def listen_success(self, port):
+            ports.append(port)
+            return super().listen_success(port)
+
+        def kill_all_applications(self):
+            """A stop, as under uvicorn: no new connections, worker sockets closed at once (what
+            they hold goes back), requests in flight given the stop grace to end (a second signal
+            ends it); then daphne cancels whatever still runs."""
+            letting_end = asyncio.ensure_future(_let_requests_end(self.connections, ports))
+            return defer.Deferred.fromFuture(letting_end).addBoth(
+                lambda _: daphne.server.Server.kill_all_applications(self))
+
+    ports = []  # where it listens, once it does
     endpoints = build_endpoint_description_strings(host=host, port=port)
     server = Server(
         application,
