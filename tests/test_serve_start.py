@@ -3,19 +3,23 @@ settings that would surprise them later, a host name outside ALLOWED_HOSTS; and 
 `runserver` runs the sweep too."""
 
 import contextlib
+import fcntl
 import json
 import logging
 import os
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 from websockets.sync.client import connect
 
+from queues.serving import MIGRATE_LOCK
 from queues.serving.banner import banner, start_warnings
 from queues.store import Store
 from serverproc import MANAGE, PROJECT_DIR, Deployment
@@ -83,17 +87,48 @@ def test_a_host_outside_allowed_hosts_is_logged_with_the_variable_to_set(client,
 PREPARE = "import django; django.setup(); from queues.serving import prepare; prepare()"
 
 
-@pytest.mark.parametrize("round_", range(3))
-def test_servers_started_together_on_a_new_database_both_start(tmp_path, round_):
-    """What `serve` does first (make the data directory, migrate), in two processes at once on
-    an installation whose database has no tables yet: one migrates, then the other finds it done."""
+def _preparing(deployment: Deployment) -> subprocess.Popen:
+    """What `serve` does first (make the data directory, migrate), in a process of its own."""
+    return subprocess.Popen([sys.executable, "-c", PREPARE], cwd=PROJECT_DIR, env=deployment.environ(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_servers_started_together_on_a_new_database_both_start(tmp_path):
+    """Two at once on an installation whose database has no tables yet: one migrates, then the
+    other finds it done (without taking turns, one failed most times: table already exists)."""
     deployment = Deployment(tmp_path)
-    env = {**deployment.environ(), "DJANGO_SETTINGS_MODULE": "taskhoster_site.settings"}
-    starting = [subprocess.Popen([sys.executable, "-c", PREPARE], cwd=PROJECT_DIR, env=env, stdout=subprocess.PIPE,
-                                 stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+    starting = [_preparing(deployment) for _ in range(2)]
     outputs = [process.communicate(timeout=120)[0] for process in starting]
     assert [process.returncode for process in starting] == [0, 0], outputs
     deployment.create_queue("jobs")  # the schema is whole
+
+
+def test_a_server_migrates_only_while_it_holds_the_data_directory_s_migrate_lock(tmp_path):
+    deployment = Deployment(tmp_path)
+    deployment.data_dir.mkdir()
+    lock = os.open(deployment.data_dir / MIGRATE_LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.lockf(lock, fcntl.LOCK_EX)  # as another server migrating now
+    starting = _preparing(deployment)
+    try:
+        def waits_for_the_lock() -> bool:
+            """Whether it has the lock file open: it takes the lock right after."""
+            opened = []
+            for fd in Path(f"/proc/{starting.pid}/fd").iterdir():
+                with contextlib.suppress(OSError):  # a descriptor closed meanwhile
+                    opened.append(os.readlink(fd))
+            return any(path.endswith(MIGRATE_LOCK) for path in opened)
+
+        deadline = time.monotonic() + 60
+        while not waits_for_the_lock():
+            assert starting.poll() is None and time.monotonic() < deadline, "it never asked for the lock"
+            time.sleep(0.05)
+        assert starting.poll() is None
+        with sqlite3.connect(tmp_path / "db.sqlite3") as database:  # nothing migrated meanwhile
+            assert database.execute("SELECT count(*) FROM sqlite_master WHERE type = 'table'").fetchone() == (0,)
+    finally:
+        os.close(lock)
+    assert starting.wait(120) == 0, starting.communicate()[0]
+    deployment.create_queue("jobs")
 
 
 def _runserver(tmp_path, *queue_options: str, reload: bool = False) -> tuple[Deployment, subprocess.Popen, httpx.Client]:

@@ -32,6 +32,7 @@ from .limits import HEAD_TIMEOUT_SECONDS, MAX_HEAD_BYTES, SWEEP_STOP_SECONDS, ma
 __all__ = ["DEFAULT_SERVER", "HEAD_TIMEOUT_SECONDS", "MAX_HEAD_BYTES", "SERVERS", "max_connections", "serve"]
 
 SERVERS = {"uvicorn": "uvicorn_server", "daphne": "daphne_server"}  # name -> its module here
+MIGRATE_LOCK = ".migrate-lock"  # in the data directory; no queue name starts with a dot
 DEFAULT_SERVER = "uvicorn"
 
 Ready = Callable[[int], None]
@@ -45,7 +46,7 @@ def prepare() -> None:
     store = get_store()
     try:
         store.make_data_directory()
-        with _alone_in(settings.TASKHOSTER_DATA_DIR):
+        with _one_at_a_time(os.path.join(settings.TASKHOSTER_DATA_DIR, MIGRATE_LOCK)):
             call_command("migrate", interactive=False, verbosity=0)
         get_registry().refresh()
         for config in get_registry().queues():
@@ -56,14 +57,16 @@ def prepare() -> None:
 
 
 @contextmanager
-def _alone_in(directory) -> Iterator[None]:
-    """Hold the directory's own lock (every process of an installation shares its data directory)."""
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+def _one_at_a_time(lock_file: str) -> Iterator[None]:
+    """Hold a record lock on `lock_file`, in the data directory every process of an installation
+    shares: a record lock, as the store's item locks, is what network file systems (NFS, EFS)
+    carry from host to host."""
+    fd = os.open(lock_file, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        fcntl.lockf(fd, fcntl.LOCK_EX)
         yield
     finally:
-        os.close(fd)
+        os.close(fd)  # and the lock with it
 
 
 def start_sweeper(stop: threading.Event) -> list[threading.Thread]:
