@@ -26,6 +26,7 @@ from queues.store import turn
 from serverproc import Deployment
 
 SOFT_LIMIT, HARD_LIMIT = 1024, 4096
+DEFAULT_MAX_BODY_BYTES = 16 << 20  # TASKHOSTER_MAX_BODY_BYTES, which the servers here do not set
 SLOW_CONNECTIONS = 1000
 ANSWER_TIMEOUT = 30.0  # generous: what is asserted is what a client gets, not how fast
 TRICKLE_SECONDS = 0.25  # one byte of the head this often
@@ -170,6 +171,12 @@ def status_over(connection: socket.socket) -> int:
     """The status of a GET /healthz sent over `connection`, which stays open."""
     connection.settimeout(ANSWER_TIMEOUT)
     connection.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+    return status_of_answer(connection)
+
+
+def status_of_answer(connection: socket.socket) -> int:
+    """The status of the next answer on `connection`, read whole (its body too)."""
+    connection.settimeout(ANSWER_TIMEOUT)
     received = b""
 
     def more() -> bytes:
@@ -221,6 +228,21 @@ def test_a_trickled_head_is_closed_about_ten_seconds_after_it_began(server):
         # a kept-alive connection is timed only while a head comes in: idle since, it still serves
         assert status_over(kept_alive) == 200
     assert api_answers(server)
+
+
+def test_a_body_answered_before_it_is_all_sent_is_read_to_its_end_not_taken_for_a_head(server):
+    """A post over the size limit is answered 413 from its Content-Length alone; a client that
+    sends the whole body before it reads (as most do) must still find that answer, on an open
+    connection, not a reset for a request head too large."""
+    size = DEFAULT_MAX_BODY_BYTES + 1
+    with socket.create_connection(("127.0.0.1", server.port)) as connection:
+        connection.settimeout(ANSWER_TIMEOUT)
+        connection.sendall(b"POST /api/queues/jobs/items HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                           b"Authorization: Bearer %s\r\nContent-Type: application/json\r\n"
+                           b"Content-Length: %d\r\n\r\n" % (server.deployment.token.encode(), size))
+        connection.sendall(b" " * size)
+        assert status_of_answer(connection) == 413
+        assert status_over(connection) == 200  # and the connection serves the next request
 
 
 def test_connections_over_the_cap_are_answered_503_at_once_and_the_server_recovers(server):

@@ -42,9 +42,10 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             self._start_head_clock()
 
     def data_received(self, data: bytes) -> None:
-        if self.cycle is None or self.cycle.response_complete:
-            # between requests: these bytes begin a head, even those the parser skips without
-            # beginning a message (a blank line), which would else hold the connection for good
+        if self.cycle is None or (self.cycle.response_complete and not self.cycle.more_body):
+            # between requests (not the rest of a body answered early): these bytes begin a head,
+            # even those the parser skips without beginning a message (a blank line), which
+            # would else hold the connection for good
             self._start_head_clock()
         super().data_received(data)
         if self.head_clock is not None:
