@@ -82,8 +82,9 @@ def token_from(scope) -> str | None:
 
 
 def _closing_reason() -> str:
-    """Why a socket's items go back: "shutdown" (its try not counted) only while this process's
-    server stops, whether it closed the socket (uvicorn, code 1012) or cancelled it (daphne)."""
+    """Why a socket's items go back: "shutdown" (never ending an item max_attempts) only while
+    this process's server stops, which closes the socket (uvicorn with code 1012, daphne 1000) or,
+    once its grace is over, cancels it."""
     return "shutdown" if server_stopping.is_set() else "socket"
 
 

@@ -94,13 +94,25 @@ def test_sigterm_refuses_new_connections_lets_a_request_end_and_requeues_without
             [claimed] = json.loads(worker.recv(timeout=WAIT))["items"]
             assert (claimed["id"], claimed["attempts"], claimed["maxAttempts"]) == (held_id, 1, 1)
             request = long_poll(server, token, waiting_id, wait=6, scraper=deployment.scraper)
+            kept_alive = socket.create_connection(("127.0.0.1", server.port))
+            kept_alive.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            answered = b""
+            while not answered.endswith(b"}"):  # the whole answer: its body is a JSON object
+                received = kept_alive.recv(65536)
+                assert received, "closed before its answer"
+                answered += received
+            assert answered.startswith(b"HTTP/1.1 200 ")  # and idle since
 
             server.process.send_signal(signal.SIGTERM)
             wait_until(lambda: refused(server.port), "the server still took connections after SIGTERM")
+            kept_alive.settimeout(WAIT)
+            assert kept_alive.recv(65536) == b""  # closed: no new request may start on it
+            assert request.is_alive()  # closed at the stop, not once the server is gone
             assert server.process.poll() is None  # still serving the request in flight
             request.join(WAIT)
             assert isinstance(request.answer, httpx.Response), request.answer
             assert (request.answer.status_code, request.answer.json()["status"]) == (200, "pending")
+            assert request.answer.headers["connection"] == "close"  # its connection takes no more
             assert server.process.wait(WAIT) == 0
     # the worker's item is pending again, its one attempt not spent on the stop
     item = Store(deployment.data_dir, fsync=False).read_item(queue="once", item_id=held_id)

@@ -1,6 +1,7 @@
 """Serving with daphne (`serve --server daphne`), the server of `runserver`."""
 
 import asyncio
+import logging
 import signal
 
 from daphne.http_protocol import WebRequest
@@ -19,6 +20,9 @@ from .limits import (
     max_frame_bytes,
     stop_grace_seconds,
 )
+
+
+log = logging.getLogger(__name__)
 
 
 class _RefusedConnection(Protocol):
@@ -103,32 +107,46 @@ class _DaphneLimits(WrappingFactory):
         return wrapper
 
 
-async def _let_requests_end(connections: dict, ports: list) -> None:
-    """Stop listening, close the worker sockets, and wait for the HTTP requests running now to
-    end, for the stop grace at most, or until a second stop signal."""
+async def _let_requests_end(connections: dict, limits: "_DaphneLimits", ports: list) -> None:
+    """Stop taking connections and requests, close the worker sockets, and wait for the HTTP
+    requests running to end, for the stop grace at most, or until a second stop signal."""
     from daphne.ws_protocol import WebSocketProtocol  # here: importing it early would install another reactor
 
     for port in ports:
         port.stopListening()
-    requests = []
-    for protocol, details in list(connections.items()):
-        instance = details.get("application_instance")
+    for wrapper in list(limits.protocols):
+        protocol = wrapper.wrappedProtocol  # the socket's, once a request upgraded to it
         if isinstance(protocol, WebSocketProtocol):
-            protocol.serverClose()
-        elif instance is not None and not instance.done():
-            requests.append(instance)
-    if not requests:
-        return
+            _close_socket(protocol)
+            continue
+        channel = protocol._channel  # Twisted's HTTP/1.1 channel, inside its protocol-choosing shell
+        if not channel.requests:  # a kept-alive connection, idle: no request may start on it
+            wrapper.loseConnection()
+        else:  # closed once its answer is out, and the answer says so
+            channel.persistent = False
+            for request in channel.requests:
+                if not request.startedWriting:
+                    request.responseHeaders.setRawHeaders(b"connection", [b"close"])
     loop = asyncio.get_running_loop()
     cut_short = loop.create_future()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: loop.call_soon_threadsafe(_settle, cut_short))
     deadline = loop.time() + stop_grace_seconds()
-    running = set(requests)
-    while running and not cut_short.done() and loop.time() < deadline:
-        ended, _ = await asyncio.wait([*running, cut_short], timeout=deadline - loop.time(),
-                                      return_when=asyncio.FIRST_COMPLETED)
-        running -= ended
+    while not cut_short.done() and loop.time() < deadline:
+        instances = [details.get("application_instance") for protocol, details in list(connections.items())
+                     if isinstance(protocol, WebRequest)]
+        running = [instance for instance in instances if instance is not None and not instance.done()]
+        if not running:
+            return
+        await asyncio.wait([*running, cut_short], timeout=deadline - loop.time(), return_when=asyncio.FIRST_COMPLETED)
+
+
+def _close_socket(protocol) -> None:
+    """Close a worker's socket, which gives back what it holds; one still opening is dropped."""
+    try:
+        protocol.serverClose()
+    except Exception:  # autobahn refuses to close a socket before it is open
+        protocol.dropConnection(abort=True)
 
 
 def _settle(future: asyncio.Future) -> None:
@@ -163,9 +181,10 @@ def run(
             """A stop, as under uvicorn: no new connections, worker sockets closed at once (what
             they hold goes back), requests in flight given the stop grace to end (a second signal
             ends it); then daphne cancels whatever still runs."""
-            letting_end = asyncio.ensure_future(_let_requests_end(self.connections, ports))
-            return defer.Deferred.fromFuture(letting_end).addBoth(
-                lambda _: daphne.server.Server.kill_all_applications(self))
+            letting_end = asyncio.ensure_future(_let_requests_end(self.connections, self.http_factory, ports))
+            return (defer.Deferred.fromFuture(letting_end)
+                    .addErrback(lambda failure: log.error("the stop's grace failed: %s", failure.getTraceback()))
+                    .addBoth(lambda _: daphne.server.Server.kill_all_applications(self)))
 
     ports = []  # where it listens, once it does
     endpoints = build_endpoint_description_strings(host=host, port=port)
