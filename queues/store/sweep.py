@@ -50,9 +50,8 @@ def sweep_queue(items: ItemFiles, config: QueueConfig) -> SweepChanges:
 
 
 def _step(queue: str, step: Callable[..., T], /, *args, nothing: T) -> T:
-    """One step of a pass; a disk fault in it (a listing it cannot make) is logged and the pass
-    goes on: on a full disk, where an aged item cannot be ended (its done file is a write),
-    retention still runs and frees space."""
+    """One step of a pass; a disk fault that ends it (one outside any item's change, such as a
+    listing) is logged and the pass goes on with the next step."""
     try:
         return step(*args)
     except OSError:
