@@ -383,6 +383,19 @@ def test_the_sweep_quarantines_an_unreadable_file_and_goes_on(store, clock, conf
     assert states_of(store, good) == ["pending"]
 
 
+def test_a_leftover_the_disk_will_not_remove_leaves_the_others_to_go(store, config, faults, caplog):
+    post(store)  # the queue's directories are made
+    an_hour_ago = time.time() - STALE_SECONDS - 5
+    tmp = queue_dir(store) / "tmp"
+    for name in ("a.json", "b.json", "c.json"):
+        (tmp / name).write_text("")
+        os.utime(tmp / name, (an_hour_ago, an_hour_ago))
+    faults.fail(calls={"unlink"}, where="/tmp/b.json")
+    assert store.sweep_queue(config=config).tmp_removed == 2
+    assert files_in(store, "tmp") == ["b.json"]
+    assert "remove_leftovers in tmp/ failed on b.json" in caplog.text
+
+
 def test_leftovers_older_than_an_hour_are_removed(store, config):
     (item_id,) = post(store)
     an_hour_ago = time.time() - STALE_SECONDS - 5

@@ -202,18 +202,21 @@ def _remove_leftovers(items: ItemFiles, queue: str, done_names: set[str]) -> int
     cutoff = time.time() - STALE_SECONDS
     removed = 0
     for name in ("tmp", "stats", *MARKS):
-        directory = items.layout.directory(queue, name)
-        for entry in files.names(directory):
-            if name in MARKS and entry + ".json" in done_names:
-                continue
+
+        def remove(entry: str) -> bool:
             path = items.layout.in_directory(queue, name, entry)
             info = files.status(path)
             if info is None or info.st_mtime >= cutoff:
-                continue
+                return False
             if name == "tmp" and info.st_nlink > 1:
                 _free_key_of_leftover(items, queue, path)
-            if files.remove(path):
-                removed += name == "tmp"
+            return files.remove(path)
+
+        entries = files.names(items.layout.directory(queue, name))
+        if name in MARKS:
+            entries = [entry for entry in entries if entry + ".json" not in done_names]
+        gone = sum(went for _, went in _each(queue, f"remove_leftovers in {name}/", entries, remove))
+        removed += gone if name == "tmp" else 0
     return removed
 
 
