@@ -44,13 +44,6 @@ class Job:
     posted_at: str = ""  # ISO-8601, as the server wrote it
     canceled: Canceled = field(default_factory=Canceled, compare=False, repr=False)
 
-    def claimed_again(self, claim: "Job") -> None:
-        """The item was claimed again while its handler runs (after a lost socket): the handler's
-        job, this one, shows that latest claim from now on, so whoever asks whether this is the
-        last try (the worker, the handler) hears the server's count."""
-        for name in ("attempts", "claimed_at", "lease_expires_at", "lease_seconds", "max_attempts", "last_error"):
-            object.__setattr__(self, name, getattr(claim, name))  # frozen to handlers, not to the worker
-
     @property
     def is_last_try(self) -> bool:
         """The queue will not hand the item out again: giving it back ends it as max_attempts."""

@@ -43,6 +43,14 @@ EXTEND_RETRY_SECONDS = 1.0  # after a renewal the server could not make for now 
 RELEASE_RETRY_SECONDS = 1.0  # after a release it could not make for now
 
 
+def _show_latest_claim(running: Job, claim: Job) -> None:
+    """The item of a handler still running (its job, `running`) was claimed again (after a lost
+    socket): that job shows the new claim from now on, so whoever asks whether this is the last
+    try (the worker, the handler) hears the server's count. Jobs are frozen to handlers, not here."""
+    for name in ("attempts", "claimed_at", "lease_expires_at", "lease_seconds", "max_attempts", "last_error"):
+        object.__setattr__(running, name, getattr(claim, name))
+
+
 class _Lease:
     """One held item, the socket it was claimed over, and when its next renewal is due (None
     while a renewal is out)."""
@@ -76,8 +84,8 @@ class Leases:
         lease = self._held.get(job.id)
         if lease is None:
             self._held[job.id] = _Lease(job, link, due)
-        else:  # the handler holds the first claim's job: it takes the new claim's figures
-            lease.job.claimed_again(job)
+        else:
+            _show_latest_claim(lease.job, job)
             lease.link, lease.due = link, due
         if self._timer is None or due < self._timer.when():
             self._set_timer(due)

@@ -197,7 +197,7 @@ async def test_a_task_whose_item_is_claimed_again_while_it_runs_counts_that_clai
     first = job(attempts=MAX_ATTEMPTS - 1)
     run = asyncio.ensure_future(runner(payload(fails_after_its_item_is_claimed_again), first))
     assert await asyncio.to_thread(claimed_again["running"].wait, 10)
-    first.claimed_again(job(attempts=MAX_ATTEMPTS))
+    object.__setattr__(first, "attempts", MAX_ATTEMPTS)  # as the worker shows a new claim (taskhoster/leases.py)
     claimed_again["go_on"].set()
     result = await asyncio.wait_for(run, 10)
     assert result["error"]["type"] == "KeyError"
