@@ -23,7 +23,7 @@ from queues.bench.workload import threaded_posts
 from serverproc import MANAGE, PROJECT_DIR, Deployment
 
 CLIENT = {"enqueuePerSecond", "endToEndPerSecond", "roundTripMs", "concurrentProducers", "postManyItemsPerSecond",
-          "keyed"}
+          "endToEndInBatchesPerSecond", "keyed"}
 SERVER_ALONE = {"refusedPostsPerSecond", "singlePostsPerSecond", "batchPostItemsPerSecond", "endToEndInBatchesPerSecond", "roundTripMs", "bigQueue"}
 CLIENT_CPU = {"producerPostMs", "asyncProducerPostMs", "producerResultMs", "workerItemMs", "workerBatchedItemMs"}
 FLOORS = {"flushMs", "trivialRequestMs", "postMs", "postsPerSecond", "roundTripMs"}
@@ -119,6 +119,7 @@ def test_quick_bench_reports_every_figure_for_both_fsync_modes(tmp_path):
     assert "1,000 scheduled items due in the same second, all pending in" in progress
     assert "a keyed post beside 2,000 keyed items: new key" in progress
     assert "with a key per item (without)" in progress
+    assert "end to end with Producer.post_many: " in progress
 
 
 def test_bench_measures_a_server_given_by_url(tmp_path):

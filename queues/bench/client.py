@@ -58,6 +58,22 @@ def concurrent_posts(url: str, token: str, queue: str, *, threads: int, seconds:
             producer.close()
 
 
+def end_to_end_in_batches(users: TaskhosterSystem, *, items: int, batch: int) -> float:
+    """`items` posted through `Producer.post_many`, `batch` a call, while the workers consume
+    them: items per second from the first post until every result is in (as the single posts'
+    end to end, workload.enqueue_and_end_to_end)."""
+    users.begin()
+    started = time.perf_counter()
+    handles = []
+    for first in range(0, items, batch):
+        posted = users.producer.post_many(users.queue, [PAYLOAD] * min(batch, items - first))
+        handles.extend(item["id"] for item in posted)
+    backlog_timeout = RESULT_TIMEOUT + items / 100  # the workers may be far behind the posts
+    users.result(handles[-1], timeout=backlog_timeout)
+    users.wait_all(handles, timeout=backlog_timeout)
+    return items / (time.perf_counter() - started)
+
+
 def batch_items_per_second(producer: Producer, queue: str, *, seconds: float, batch: int) -> float:
     """Items per second through `Producer.post_many`, `batch` items a call, back to back."""
     payloads = [PAYLOAD] * batch

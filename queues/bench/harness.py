@@ -57,7 +57,7 @@ GROUPS = {
     "end-to-end": ("server-end-to-end",),
     "round-trip": ("server-round-trip",),
 }
-WORKED = ("client-end-to-end", "client-round-trip", "server-end-to-end", "server-round-trip")
+WORKED = ("client-end-to-end", "client-round-trip", "client-batches", "server-end-to-end", "server-round-trip")
 PEER_MEASURES = ("client-end-to-end", "client-round-trip", "client-producers")  # the peers' figures beside these
 BYTES_PER_ITEM = 4096 + 512  # one small file: a block, plus its inode and directory entry
 BIG_QUEUE = "bench-big"
@@ -359,6 +359,13 @@ def _api_figures(
                 since = server_cpu.now()
                 mine.update(workload.enqueue_and_end_to_end(users, items=settings.items))
                 server_cpu.record("perItemEndToEnd", since, settings.items)
+        if "client-batches" in measures:
+            say(f"{label}: client: {settings.items:,} items, Producer.post_many with {settings.batch} a call, "
+                f"while the workers consume")
+            with profile("client-end-to-end-batches"):
+                mine["endToEndInBatchesPerSecond"] = client.end_to_end_in_batches(
+                    users, items=settings.items, batch=settings.batch
+                )
         if "client-round-trip" in measures:
             say(f"{label}: client: {settings.round_trips} round trips, Producer.post then Producer.result")
             with profile("client-round-trip"):

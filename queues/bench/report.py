@@ -28,6 +28,8 @@ The JSON line (one line on stdout; progress and a readable summary go to stderr)
       concurrentProducers  {"N": {postsPerSecond, postMs {p50, p99}, posts}}: N threads with a Producer
                            each, posting single items to a queue no worker works
       postManyItemsPerSecond  Producer.post_many, --batch items a call, to that queue
+      endToEndInBatchesPerSecond  --items posted by Producer.post_many, --batch a call, while the
+                           workers consume, from the first post until every result is in
       keyed                {singlePostsPerSecond, postManyItemsPerSecond}: each {plain, keyed},
                            Producer.post and post_many with a new idempotency key per item and
                            without, in alternating turns, to that queue
@@ -234,6 +236,9 @@ def _ours_only(mode: str, parts: dict) -> list[str]:
             f"{keyed[key]['keyed']:,.0f} ({keyed[key]['plain']:,.0f}) {text}"
             for key, text in (("singlePostsPerSecond", "single posts/s"), ("postManyItemsPerSecond", "items/s in batches"))
         ))
+    in_batches = parts.get("client", {}).get("endToEndInBatchesPerSecond")
+    if in_batches:
+        lines.append(f"taskhoster {mode}, client, end to end with Producer.post_many: {in_batches:,.0f} items/s")
     cpu = parts.get("client", {}).get("serverCpuMs")
     if cpu:
         lines.append(f"taskhoster {mode}, the server's CPU (ms): " + ", ".join(
