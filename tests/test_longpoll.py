@@ -172,23 +172,25 @@ async def test_a_waiting_claim_answers_no_items_when_the_wait_ends(api, queues, 
     assert (answer.status_code, answer.json()) == (200, {"items": []})
 
 
-async def test_a_claim_whose_client_left_hands_its_items_back(api, queues, tokens):
-    """The client goes away while its claim waits; an item posted then is claimed by the waiting
-    claim and handed straight back, for the next claimant: no worker had it, so even on a queue
-    that hands an item out once only, it is not spent."""
+async def test_a_claim_whose_client_left_stops_waiting_and_claims_nothing(api, queues, tokens):
+    """The client goes away while its claim waits: the claim stops waiting there and then (its
+    place among the waiters goes, so the next wake-up is for a claim still waiting), and an item
+    posted then is left for the next claimant, no try spent on it."""
     await asyncio.to_thread(save_queue, "jobs", max_attempts=1)
     get_registry().invalidate()
     claiming, left, sent = request_that_leaves(tokens["all"], "POST", "/api/queues/jobs/claim",
-                                               body=json.dumps({"wait": 5}).encode())
-    await asyncio.sleep(0.2)  # waiting for an item
+                                               body=json.dumps({"wait": 60}).encode())
+    while not hub._claim_waiters.get("jobs"):  # waiting for an item
+        await asyncio.sleep(0.01)
     left.set()
-    await asyncio.sleep(0.05)
-    item_id = await post(api, tokens["all"])  # wakes the claim of a client that is gone
+    await asyncio.sleep(0.05)  # the server notices the client left
+    assert not hub._claim_waiters.get("jobs")
+    item_id = await post(api, tokens["all"])  # woke the claim of a client that was gone, before
     await asyncio.wait_for(claiming, 10)
 
     assert json.loads(sent[-1]["body"]) == {"items": []}
     item = get_store().read_item(queue="jobs", item_id=item_id)
-    assert (item.status, item.attempts) == ("pending", 1)  # claimed once, then handed back
+    assert (item.status, item.attempts) == ("pending", 0)  # never claimed
 
 
 async def test_a_waiting_claim_stops_once_its_token_is_revoked(api, queues, tokens):

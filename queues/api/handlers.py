@@ -203,7 +203,7 @@ async def read_item(request: Request, queue: str, item_id: str) -> Answer:
         remaining = deadline - _clock()
         if item.terminal or remaining <= 0 or request.gone:
             return Answer(200, item.to_json(payload=with_payload))
-        await hub.wait_terminal(queue, item_id, min(remaining, RECHECK_SECONDS), since=ended)
+        await request.until_gone(hub.wait_terminal(queue, item_id, min(remaining, RECHECK_SECONDS), since=ended))
 
 
 @router.add("POST", "/api/queues/{queue}/claim")
@@ -222,11 +222,14 @@ async def claim(request: Request, queue: str) -> Answer:
         # effect while the claim waits
         config = await authorize(request, queue, WORK)
         posted = hub.available_mark(queue)
+        if request.gone:  # nobody to hand items to: claiming them would spend their tries
+            items = []
+            break
         items = await _claim_whole(store, config, max_items)
         remaining = deadline - _clock()
-        if items or remaining <= 0 or request.gone:
+        if items or remaining <= 0:
             break
-        await hub.wait_available(queue, min(remaining, RECHECK_SECONDS), since=posted)
+        await request.until_gone(hub.wait_available(queue, min(remaining, RECHECK_SECONDS), since=posted))
     if items and request.gone:
         # nobody will work them: hand them to the next claimant now, their try not spent (shielded:
         # a stop that cuts this wait must not cancel a release still waiting for a store thread)

@@ -2,6 +2,7 @@
 size limit and within the process's budget of body bytes."""
 
 import asyncio
+from collections.abc import Coroutine
 from functools import cached_property
 from urllib.parse import parse_qsl, unquote
 
@@ -24,6 +25,7 @@ class Request:
         self._budget_taken = 0  # given back by close()
         self._watcher: asyncio.Task | None = None
         self._gone = False
+        self._left: asyncio.Future | None = None  # settled when the client leaves, once watched
 
     @property
     def method(self) -> str:
@@ -110,16 +112,30 @@ class Request:
         self._budget.give_back(self._budget_taken)
         self._budget_taken = 0
         if self._watcher is None:
+            self._left = asyncio.get_running_loop().create_future()
             self._watcher = asyncio.ensure_future(self._watch())
 
     async def _watch(self) -> None:
         while (await self._receive())["type"] != "http.disconnect":
             pass
         self._gone = True
+        self._left.set_result(None)
 
     @property
     def gone(self) -> bool:
         return self._gone
+
+    async def until_gone(self, wait: Coroutine) -> None:
+        """Await `wait` (a long poll's wait for the hub), ended early if the client leaves: its
+        waiter is taken off at once, and the next wake-up goes to a request that still waits."""
+        if self._left is None:  # not watched
+            await wait
+            return
+        waiting = asyncio.ensure_future(wait)
+        try:
+            await asyncio.wait([waiting, self._left], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waiting.cancel()
 
     def close(self) -> None:
         """The request is done, whatever its outcome: stop watching, give the budget back."""
