@@ -23,6 +23,9 @@ BATCH_BYTES = 8 << 20  # half the server's default frame limit
 # the outbox and goes in again after this pause; results refused for any other reason are dropped
 RESULT_RETRY_SECONDS = 1.0
 MESSAGE_TOO_BIG = 1009  # the close code of a server that will not read a frame that large
+# what the server says of a result it will never take -> the type of the error result sent instead
+REFUSED_RESULTS = {"payload_too_large": "PayloadTooLarge", "invalid_request": "InvalidResult",
+                   "invalid_json": "InvalidResult"}
 
 
 class Outbox:
@@ -144,8 +147,8 @@ class Outbox:
             if error in PASSING_CODES:
                 unstored.append(item_id)
                 passing.add(error)
-            elif error == "payload_too_large" and self._too_large(
-                    item_id, queue, result, "the result is larger than the server accepts"):
+            elif error in REFUSED_RESULTS and self._replaced_by_error(
+                    item_id, queue, result, error, f"the server refused the result: {error}"):
                 continue
             else:
                 self._settle(item_id, ack)
@@ -157,11 +160,12 @@ class Outbox:
         try:
             ack = answer_of(reply)
         except LinkClosed:
-            if _too_big(link) and not self._too_large(item_id, queue, result, "the result is larger than the server reads"):
+            if _too_big(link) and not self._replaced_by_error(
+                    item_id, queue, result, "payload_too_large", "the result is larger than the server reads"):
                 self._settle(item_id, {"accepted": False, "error": "an error result larger than the server reads"})
             return  # else kept for the next socket
         except ApiError as exc:
-            if exc.code == "payload_too_large" and self._too_large(item_id, queue, result, exc.message):
+            if exc.code in REFUSED_RESULTS and self._replaced_by_error(item_id, queue, result, exc.code, exc.message):
                 return
             if exc.code in PASSING_CODES:
                 self._rest([item_id], str(exc))
@@ -182,12 +186,14 @@ class Outbox:
             self._one_by_one = None
             self._sent()
 
-    def _too_large(self, item_id: str, queue: str, result: Any, message: str) -> bool:
-        """The item must still end: an error result saying why takes the result's place and goes
-        in next (True), unless the result is an error result already."""
+    def _replaced_by_error(self, item_id: str, queue: str, result: Any, code: str, message: str) -> bool:
+        """The server will never take this result (`code`: too large, or JSON it refuses, such
+        as a lone surrogate or nesting too deep), yet the item must end, not wait out its lease
+        and run again: an error result saying why takes the result's place and goes in next
+        (True), unless the result is an error result already."""
         if _is_error_result(result):
             return False
-        error = {"error": {"type": "PayloadTooLarge", "message": message}}
+        error = {"error": {"type": REFUSED_RESULTS[code], "message": message}}
         self._results[item_id] = (queue, error, encode(error))
         return True
 

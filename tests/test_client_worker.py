@@ -48,6 +48,7 @@ QUEUES = {
     "unstored-drop": {},
     "unstored-rest": {},
     "too-large": {},
+    "refused": {},
     "batched-claims": {},
     "idle": {},
     "either-a": {},
@@ -560,6 +561,29 @@ def test_a_result_too_large_for_the_server_ends_the_item_with_an_error_saying_wh
     # again before its results go in: a try each, the handler not run again
     most = 2 if big == 33 << 20 else 1
     assert all(1 <= producer.get("too-large", item["id"])["attempts"] <= most for item in items)
+
+
+def nested(depth: int) -> list:
+    value: list = []
+    for _ in range(depth - 1):
+        value = [value]
+    return value
+
+
+@pytest.mark.parametrize("refused", ["\ud800", nested(200)], ids=["a lone surrogate", "nested too deep"])
+def test_a_result_the_server_refuses_as_json_ends_the_item_with_an_error_saying_why(live, producer, refused):
+    """Python's JSON, not the server's: the item must end, not wait out its lease and run again."""
+    handled = []
+
+    async def handle(payload, job):
+        handled.append(payload)
+        return refused
+
+    item = producer.post("refused", "x")
+    with working(Worker(live.url, live.token, queues=["refused"]), handle):
+        result = producer.result("refused", item["id"], timeout=20)
+    assert result["error"]["type"] == "InvalidResult" and result["error"]["message"]
+    assert handled == ["x"] and producer.get("refused", item["id"])["attempts"] == 1
 
 
 def recording_claims(monkeypatch) -> list[tuple[int, int, int]]:
