@@ -154,7 +154,8 @@ def work(args) -> int:
     if not command:
         raise UsageError("give the command to run after --, e.g. taskhoster work QUEUE -- ./handle.sh")
     if shutil.which(command[0]) is None:
-        raise UsageError(f"command not found: {command[0]}")
+        found = os.sep in command[0] and os.path.isfile(command[0])  # a path to a file that may not run
+        raise UsageError(f"{command[0]} is not executable (chmod +x it)" if found else f"command not found: {command[0]}")
     queues = [name for name in args.queue.split(",") if name]
     try:
         worker = Worker(args.url, args.token, queues=queues, concurrency=args.concurrency, grace=args.grace,

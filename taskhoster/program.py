@@ -65,7 +65,7 @@ class ProgramHandler:
                 "stderr": _tail(stderr),
             })
         try:
-            return json.loads(stdout)
+            return json.loads(stdout, parse_constant=_not_json)
         except ValueError as exc:
             raise HandlerFailed({
                 "type": "InvalidOutput",
@@ -73,6 +73,10 @@ class ProgramHandler:
                 "stdout": _tail(stdout),
                 "stderr": _tail(stderr),
             }) from None
+
+
+def _not_json(name: str):
+    raise ValueError(f"{name} is not JSON")  # NaN and the infinities, which Python reads as numbers
 
 
 def _kill_group(pid: int) -> None:

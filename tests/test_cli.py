@@ -20,6 +20,8 @@ import pytest
 from client_support import client_env, live_server
 from serverproc import PROJECT_DIR
 from taskhoster import Producer
+from taskhoster.jobs import HandlerFailed, Job
+from taskhoster.program import ProgramHandler
 
 BAD_TOKEN = "th_" + "x" * 32
 NO_SERVER = "http://127.0.0.1:9"
@@ -233,6 +235,7 @@ def test_no_token_at_all_is_one_line_that_says_how_to_make_one(live):
     ("args", "message"),
     [((), "required: subcommand"), (("work", "work"), "give the command to run after --"),
      (("work", "work", "--", "no-such-program-here"), "command not found: no-such-program-here"),
+     (("work", "work", "--", "./pyproject.toml"), "./pyproject.toml is not executable (chmod +x it)"),
      (("get", "cli", MISSING_ID, "--wait", "-1"), "argument --wait: expected seconds, 0 or more"),
      (("get", "cli", MISSING_ID, "--wait", "nan"), "argument --wait: expected seconds, 0 or more"),
      (("work", "work", "--concurrency", "0", "--", "cat"), "argument --concurrency: expected a whole number"),
@@ -281,6 +284,15 @@ def test_work_turns_a_non_zero_exit_or_output_that_is_not_json_into_error_result
     assert not_json["error"]["type"] == "InvalidOutput"
     assert not_json["error"]["stdout"] == "plain words\n"
     assert "is not JSON" in not_json["error"]["message"]
+
+
+@pytest.mark.parametrize("printed", ["NaN", "-Infinity", "[1, Infinity]"])
+async def test_a_program_that_prints_what_python_alone_reads_as_json_gives_invalid_output(printed):
+    handler = ProgramHandler(["printf", "%s", printed])
+    job = Job(id="x", queue="q", attempts=1, payload=None, claimed_at="", lease_expires_at="", lease_seconds=30)
+    with pytest.raises(HandlerFailed) as failed:
+        await handler(None, job)
+    assert (failed.value.details["type"], failed.value.details["stdout"]) == ("InvalidOutput", printed)
 
 
 FAILS_TWICE_SCRIPT = """#!/bin/sh
