@@ -7,7 +7,9 @@ these errors (the result, or with retries the item's lastError until its last tr
     {"error": {"type": "ExitStatus", "message": ..., "exitCode": 3, "stderr": "<tail>"}}
     {"error": {"type": "InvalidOutput", "message": ..., "stdout": "<tail>", "stderr": "<tail>"}}
 
-The program also finds the item in its environment: TASKHOSTER_ITEM_ID, TASKHOSTER_QUEUE,
+What the program leaves running when it exits (a command put in the background) is killed a
+second later if it still holds the program's output open, so the item ends with what the program
+printed. The program also finds the item in its environment: TASKHOSTER_ITEM_ID, TASKHOSTER_QUEUE,
 TASKHOSTER_ATTEMPTS and TASKHOSTER_MAX_ATTEMPTS (empty when the queue has no limit).
 """
 
@@ -20,6 +22,8 @@ from typing import Any
 from .jobs import HandlerFailed, Job
 
 TAIL_CHARS = 2000
+EXITED_LOOK_SECONDS = 0.5  # while a program runs, how often to look whether it has exited
+LEFT_RUNNING_SECONDS = 1.0  # then how long what it started may keep its output open
 
 
 def _tail(data: bytes) -> str:
@@ -50,12 +54,21 @@ class ProgramHandler:
             # lets the command finish, as a stop does
             start_new_session=True,
         )
+        talking = asyncio.ensure_future(process.communicate(json.dumps(payload).encode() + b"\n"))
         try:
-            stdout, stderr = await process.communicate(json.dumps(payload).encode() + b"\n")
+            while not talking.done():
+                await asyncio.wait([talking], timeout=EXITED_LOOK_SECONDS)
+                if process.returncode is not None and not talking.done():
+                    # the program has exited, but what it left running holds its output open
+                    await asyncio.wait([talking], timeout=LEFT_RUNNING_SECONDS)
+                    if not talking.done():
+                        _kill_group(process.pid)
+            stdout, stderr = talking.result()
         except asyncio.CancelledError:
             # the item was canceled, or the worker gave up on it: do not leave the program, or
             # what it started, behind
             _kill_group(process.pid)
+            talking.cancel()
             raise
         if process.returncode != 0:
             raise HandlerFailed({

@@ -4,6 +4,7 @@ and exit status, and the errors a user meets (wrong token, no server, unknown qu
 It is run as `python -m taskhoster.cli`, which works whether or not the console script is
 installed; one test checks the installed `taskhoster` script itself."""
 
+import asyncio
 import importlib.metadata
 import json
 import os
@@ -293,6 +294,21 @@ async def test_a_program_that_prints_what_python_alone_reads_as_json_gives_inval
     with pytest.raises(HandlerFailed) as failed:
         await handler(None, job)
     assert (failed.value.details["type"], failed.value.details["stdout"]) == ("InvalidOutput", printed)
+
+
+LEAVES_A_CHILD_SCRIPT = """#!/bin/sh
+cat > /dev/null
+sleep 60 &
+echo '"done, a child left running"'
+"""
+
+
+async def test_a_program_that_leaves_a_child_holding_its_output_ends_with_what_it_printed(tmp_path):
+    """The child keeps the program's stdout open: without a stop to it, the item would wait for
+    the child, and a worker slot with it."""
+    handler = ProgramHandler([str(script(tmp_path, "leaves-a-child.sh", LEAVES_A_CHILD_SCRIPT))])
+    job = Job(id="x", queue="q", attempts=1, payload=None, claimed_at="", lease_expires_at="", lease_seconds=30)
+    assert await asyncio.wait_for(handler(None, job), 30) == "done, a child left running"
 
 
 FAILS_TWICE_SCRIPT = """#!/bin/sh
