@@ -26,7 +26,7 @@ import sys
 
 from .errors import TaskhosterError
 from .producer import Producer
-from .program import ProgramHandler
+from .program import CommandUnusable, ProgramHandler
 from .worker import Worker
 
 USAGE_ERROR = 2
@@ -164,7 +164,11 @@ def work(args) -> int:
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="taskhoster: %(message)s")
-    worker.run(ProgramHandler(command))
+    try:
+        worker.run(ProgramHandler(command))
+    except CommandUnusable as exc:
+        print(f"taskhoster: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

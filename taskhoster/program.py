@@ -30,6 +30,11 @@ def _tail(data: bytes) -> str:
     return data.decode("utf-8", errors="replace")[-TAIL_CHARS:]
 
 
+class CommandUnusable(BaseException):
+    """The command cannot be started at all. Not the item's failure but the worker's, as a
+    KeyboardInterrupt is: it stops, rather than hand every item in the queue this error."""
+
+
 class ProgramHandler:
     """An async handler that runs `command` (a list: program and arguments) for each item."""
 
@@ -44,16 +49,19 @@ class ProgramHandler:
             "TASKHOSTER_ATTEMPTS": str(job.attempts),
             "TASKHOSTER_MAX_ATTEMPTS": "" if job.max_attempts is None else str(job.max_attempts),
         }
-        process = await asyncio.create_subprocess_exec(
-            *self.command,
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-            env=env,
-            # a session of its own: a Ctrl-C at the worker's terminal reaches the worker alone, which
-            # lets the command finish, as a stop does
-            start_new_session=True,
-        )
+        try:
+            process = await asyncio.create_subprocess_exec(
+                *self.command,
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                env=env,
+                # a session of its own: a Ctrl-C at the worker's terminal reaches the worker alone,
+                # which lets the command finish, as a stop does
+                start_new_session=True,
+            )
+        except OSError as exc:  # no such file, not executable, no #! line: so for every item
+            raise CommandUnusable(f"cannot run {self.command[0]}: {exc.strerror or exc}") from exc
         talking = asyncio.ensure_future(process.communicate(json.dumps(payload).encode() + b"\n"))
         try:
             while not talking.done():

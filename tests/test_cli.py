@@ -44,7 +44,7 @@ exit 3
 @pytest.fixture(scope="module")
 def live(tmp_path_factory):
     queues = {name: {} for name in ("cli", "stdin", "badlines", "reads", "work", "terminal", "failing", "notjson",
-                                    "later", "ended")}
+                                    "later", "ended", "unusable")}
     queues["tries"] = {"max_attempts": 3}
     with live_server(tmp_path_factory.mktemp("cli"), queues) as live:
         yield live
@@ -294,6 +294,22 @@ async def test_a_program_that_prints_what_python_alone_reads_as_json_gives_inval
     with pytest.raises(HandlerFailed) as failed:
         await handler(None, job)
     assert (failed.value.details["type"], failed.value.details["stdout"]) == ("InvalidOutput", printed)
+
+
+def test_work_whose_command_cannot_be_started_stops_with_exit_1_and_fails_no_item(live, producer, tmp_path):
+    """An executable file with no #! line: the kernel will not run it, for this item or any
+    other. The worker says so and stops; the item goes back to its queue, not to an error result."""
+    no_interpreter = script(tmp_path, "no-interpreter.sh", "echo '\"x\"'\n")
+    items = [producer.post("unusable", n) for n in range(3)]
+    done = subprocess.run(cli_command("work", "unusable", "--", str(no_interpreter)), cwd=PROJECT_DIR,
+                          env=client_env(live), capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1, done.stderr
+    assert f"taskhoster: cannot run {no_interpreter}: Exec format error" in done.stderr
+    assert "Traceback" not in done.stderr
+    deadline = time.monotonic() + 30  # the socket's close gives the claimed item back
+    while (statuses := [producer.get("unusable", item["id"])["status"] for item in items]) != ["pending"] * 3:
+        assert time.monotonic() < deadline, statuses
+        time.sleep(0.1)
 
 
 LEAVES_A_CHILD_SCRIPT = """#!/bin/sh
