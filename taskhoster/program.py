@@ -14,6 +14,7 @@ TASKHOSTER_ATTEMPTS and TASKHOSTER_MAX_ATTEMPTS (empty when the queue has no lim
 """
 
 import asyncio
+import errno
 import json
 import os
 import signal
@@ -22,6 +23,8 @@ from typing import Any
 from .jobs import HandlerFailed, Job
 
 TAIL_CHARS = 2000
+# a command that fails to start so will fail for every item: no such file, not executable, no #!
+UNUSABLE = {errno.ENOENT, errno.ENOTDIR, errno.EACCES, errno.ENOEXEC}
 EXITED_LOOK_SECONDS = 0.5  # while a program runs, how often to look whether it has exited
 LEFT_RUNNING_SECONDS = 1.0  # then how long what it started may keep its output open
 
@@ -60,8 +63,10 @@ class ProgramHandler:
                 # which lets the command finish, as a stop does
                 start_new_session=True,
             )
-        except OSError as exc:  # no such file, not executable, no #! line: so for every item
-            raise CommandUnusable(f"cannot run {self.command[0]}: {exc.strerror or exc}") from exc
+        except OSError as exc:
+            if exc.errno in UNUSABLE:  # so for every item
+                raise CommandUnusable(f"cannot run {self.command[0]}: {exc.strerror or exc}") from exc
+            raise  # out of processes or descriptors for now, say: this item's failure
         talking = asyncio.ensure_future(process.communicate(json.dumps(payload).encode() + b"\n"))
         try:
             while not talking.done():
