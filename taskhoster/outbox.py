@@ -40,6 +40,7 @@ class Outbox:
         self._resting: set[str] = set()  # ids the server could not store: not sent until
         self._rest_timer: asyncio.TimerHandle | None = None  # this fires and frees them all
         self._alone: set[str] = set()  # ids of a frame too big for the server: each goes in alone
+        self._replaced: set[str] = set()  # ids whose refused result an error result replaced
 
     def __len__(self) -> int:
         return len(self._results)
@@ -55,6 +56,7 @@ class Outbox:
         """Not to be handed in after all (the item was canceled)."""
         self._results.pop(item_id, None)
         self._alone.discard(item_id)
+        self._replaced.discard(item_id)
 
     def hand_in(self, link: Link) -> None:
         """Hand in the results not yet acknowledged, one frame at a time: results that finish
@@ -190,9 +192,13 @@ class Outbox:
         """The server will never take this result (`code`: too large, or JSON it refuses, such
         as a lone surrogate or nesting too deep), yet the item must end, not wait out its lease
         and run again: an error result saying why takes the result's place and goes in next
-        (True), unless the result is an error result already."""
-        if _is_error_result(result):
-            return False
+        (True), unless one took its place already."""
+        if item_id in self._replaced:
+            return False  # the error result in its place was refused too: nothing more to send
+        self._replaced.add(item_id)
+        # ASCII, and short: nothing in it for the server to refuse (a handler's own error result
+        # may be what was refused, its message holding a lone surrogate, say)
+        message = message[:500].encode("ascii", "backslashreplace").decode()
         error = {"error": {"type": REFUSED_RESULTS[code], "message": message}}
         self._results[item_id] = (queue, error, encode(error))
         return True
@@ -215,6 +221,7 @@ class Outbox:
     def _settle(self, item_id: str, ack: dict) -> None:
         self._results.pop(item_id, None)
         self._alone.discard(item_id)
+        self._replaced.discard(item_id)
         if not ack.get("accepted"):
             log.info("result for %s not accepted (%s)", item_id, ack.get("error", "already finished or timed out"))
 
@@ -233,7 +240,3 @@ def _one_frame(entry: tuple[str, str, Any, str]) -> str:
 def _entry(item_id: str, queue: str, text: str) -> str:
     """One result as the server takes it, its result already JSON."""
     return '{"queue":' + json.dumps(queue) + ',"id":' + json.dumps(item_id) + ',"result":' + text + "}"
-
-
-def _is_error_result(result: Any) -> bool:
-    return isinstance(result, dict) and set(result) == {"error"}

@@ -7,17 +7,18 @@ these errors (the result, or with retries the item's lastError until its last tr
     {"error": {"type": "ExitStatus", "message": ..., "exitCode": 3, "stderr": "<tail>"}}
     {"error": {"type": "InvalidOutput", "message": ..., "stdout": "<tail>", "stderr": "<tail>"}}
 
-What the program leaves running when it exits (a command put in the background) is killed a
-second later if it still holds the program's output open, so the item ends with what the program
-printed. The program also finds the item in its environment: TASKHOSTER_ITEM_ID, TASKHOSTER_QUEUE,
+The result is what the program printed by the time it exited: what it leaves running (a command
+put in the background) does not hold the item. The program also finds the item in its environment: TASKHOSTER_ITEM_ID, TASKHOSTER_QUEUE,
 TASKHOSTER_ATTEMPTS and TASKHOSTER_MAX_ATTEMPTS (empty when the queue has no limit).
 """
 
 import asyncio
 import errno
 import json
+import math
 import os
 import signal
+import tempfile
 from typing import Any
 
 from .jobs import HandlerFailed, Job
@@ -25,8 +26,6 @@ from .jobs import HandlerFailed, Job
 TAIL_CHARS = 2000
 # a command that fails to start so will fail for every item: no such file, not executable, no #!
 UNUSABLE = {errno.ENOENT, errno.ENOTDIR, errno.EACCES, errno.ENOEXEC}
-EXITED_LOOK_SECONDS = 0.5  # while a program runs, how often to look whether it has exited
-LEFT_RUNNING_SECONDS = 1.0  # then how long what it started may keep its output open
 
 
 def _tail(data: bytes) -> str:
@@ -52,37 +51,33 @@ class ProgramHandler:
             "TASKHOSTER_ATTEMPTS": str(job.attempts),
             "TASKHOSTER_MAX_ATTEMPTS": "" if job.max_attempts is None else str(job.max_attempts),
         }
-        try:
-            process = await asyncio.create_subprocess_exec(
-                *self.command,
-                stdin=asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE,
-                env=env,
-                # a session of its own: a Ctrl-C at the worker's terminal reaches the worker alone,
-                # which lets the command finish, as a stop does
-                start_new_session=True,
-            )
-        except OSError as exc:
-            if exc.errno in UNUSABLE:  # so for every item
-                raise CommandUnusable(f"cannot run {self.command[0]}: {exc.strerror or exc}") from exc
-            raise  # out of processes or descriptors for now, say: this item's failure
-        talking = asyncio.ensure_future(process.communicate(json.dumps(payload).encode() + b"\n"))
-        try:
-            while not talking.done():
-                await asyncio.wait([talking], timeout=EXITED_LOOK_SECONDS)
-                if process.returncode is not None and not talking.done():
-                    # the program has exited, but what it left running holds its output open
-                    await asyncio.wait([talking], timeout=LEFT_RUNNING_SECONDS)
-                    if not talking.done():
-                        _kill_group(process.pid)
-            stdout, stderr = talking.result()
-        except asyncio.CancelledError:
-            # the item was canceled, or the worker gave up on it: do not leave the program, or
-            # what it started, behind
-            _kill_group(process.pid)
-            talking.cancel()
-            raise
+        # output into files, not pipes: what the program leaves running when it exits (a command
+        # put in the background) keeps them open, and must not keep the item waiting
+        with tempfile.TemporaryFile() as stdout_file, tempfile.TemporaryFile() as stderr_file:
+            try:
+                process = await asyncio.create_subprocess_exec(
+                    *self.command,
+                    stdin=asyncio.subprocess.PIPE,
+                    stdout=stdout_file,
+                    stderr=stderr_file,
+                    env=env,
+                    # a session of its own: a Ctrl-C at the worker's terminal reaches the worker
+                    # alone, which lets the command finish, as a stop does
+                    start_new_session=True,
+                )
+            except OSError as exc:
+                if exc.errno in UNUSABLE:  # so for every item
+                    raise CommandUnusable(f"cannot run {self.command[0]}: {exc.strerror or exc}") from exc
+                raise  # out of processes or descriptors for now, say: this item's failure
+            try:
+                await _feed(process.stdin, json.dumps(payload).encode() + b"\n")
+                await process.wait()
+            except asyncio.CancelledError:
+                # the item was canceled, or the worker gave up on it: do not leave the program, or
+                # what it started, behind
+                _kill_group(process.pid)
+                raise
+            stdout, stderr = _read_all(stdout_file), _read_tail(stderr_file)
         if process.returncode != 0:
             raise HandlerFailed({
                 "type": "ExitStatus",
@@ -91,7 +86,7 @@ class ProgramHandler:
                 "stderr": _tail(stderr),
             })
         try:
-            return json.loads(stdout, parse_constant=_not_json)
+            return json.loads(stdout, parse_constant=_not_json, parse_float=_finite)
         except ValueError as exc:
             raise HandlerFailed({
                 "type": "InvalidOutput",
@@ -101,8 +96,37 @@ class ProgramHandler:
             }) from None
 
 
+async def _feed(stdin: asyncio.StreamWriter, data: bytes) -> None:
+    try:
+        stdin.write(data)
+        await stdin.drain()
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # the program reads no input, or not all of it
+    finally:
+        stdin.close()
+
+
+def _read_all(file) -> bytes:
+    file.seek(0)
+    return file.read()
+
+
+def _read_tail(file) -> bytes:
+    """Enough of the file's end for TAIL_CHARS characters (each at most 4 bytes as UTF-8)."""
+    size = file.seek(0, os.SEEK_END)
+    file.seek(max(0, size - 4 * TAIL_CHARS))
+    return file.read()
+
+
 def _not_json(name: str):
     raise ValueError(f"{name} is not JSON")  # NaN and the infinities, which Python reads as numbers
+
+
+def _finite(text: str) -> float:
+    number = float(text)
+    if math.isinf(number):  # 1e999: JSON, but no number a result can hold
+        raise ValueError(f"{text} is out of range")
+    return number
 
 
 def _kill_group(pid: int) -> None:

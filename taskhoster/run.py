@@ -172,6 +172,11 @@ class Run:
                 if asyncio.current_task().cancelling():
                     raise  # this task was cancelled: the run stops, or the item was canceled
                 value, exc = None, error  # the handler's own: something it awaited was cancelled
+            except GeneratorExit:
+                raise  # the loop is closing over this task
+            except BaseException as error:  # not the handler's failure but the run's
+                self.fail(error)  # the stop comes first: the slot this frees must not claim again
+                raise
             give_back = self._keep_outcome(job, value, exc)
             if give_back is not None:
                 await self._send_back(job, give_back)

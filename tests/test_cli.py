@@ -5,6 +5,7 @@ It is run as `python -m taskhoster.cli`, which works whether or not the console 
 installed; one test checks the installed `taskhoster` script itself."""
 
 import asyncio
+import contextlib
 import importlib.metadata
 import json
 import os
@@ -287,7 +288,7 @@ def test_work_turns_a_non_zero_exit_or_output_that_is_not_json_into_error_result
     assert "is not JSON" in not_json["error"]["message"]
 
 
-@pytest.mark.parametrize("printed", ["NaN", "-Infinity", "[1, Infinity]"])
+@pytest.mark.parametrize("printed", ["NaN", "-Infinity", "[1, Infinity]", "[1e999]"])
 async def test_a_program_that_prints_what_python_alone_reads_as_json_gives_invalid_output(printed):
     handler = ProgramHandler(["printf", "%s", printed])
     job = Job(id="x", queue="q", attempts=1, payload=None, claimed_at="", lease_expires_at="", lease_seconds=30)
@@ -310,21 +311,32 @@ def test_work_whose_command_cannot_be_started_stops_with_exit_1_and_fails_no_ite
     while (statuses := [producer.get("unusable", item["id"])["status"] for item in items]) != ["pending"] * 3:
         assert time.monotonic() < deadline, statuses
         time.sleep(0.1)
+    # one item was tried; the stop came before the slot it freed could claim another
+    assert sorted(producer.get("unusable", item["id"])["attempts"] for item in items) == [0, 0, 1]
 
 
 LEAVES_A_CHILD_SCRIPT = """#!/bin/sh
 cat > /dev/null
-sleep 60 &
+{start} sleep 60 &
+echo $! > {pid_file}
 echo '"done, a child left running"'
 """
 
 
-async def test_a_program_that_leaves_a_child_holding_its_output_ends_with_what_it_printed(tmp_path):
-    """The child keeps the program's stdout open: without a stop to it, the item would wait for
-    the child, and a worker slot with it."""
-    handler = ProgramHandler([str(script(tmp_path, "leaves-a-child.sh", LEAVES_A_CHILD_SCRIPT))])
+@pytest.mark.parametrize("start", ["", "setsid"], ids=["in its group", "in a session of its own"])
+async def test_a_program_that_leaves_a_child_holding_its_output_ends_with_what_it_printed(tmp_path, start):
+    """The child keeps the program's stdout and stderr open, in the program's process group or
+    out of it: the item must not wait for the child, nor a worker slot with it."""
+    pid_file = tmp_path / "child.pid"
+    handler = ProgramHandler([str(script(tmp_path, "leaves-a-child.sh",
+                                         LEAVES_A_CHILD_SCRIPT.format(start=start, pid_file=pid_file)))])
     job = Job(id="x", queue="q", attempts=1, payload=None, claimed_at="", lease_expires_at="", lease_seconds=30)
-    assert await asyncio.wait_for(handler(None, job), 30) == "done, a child left running"
+    try:
+        assert await asyncio.wait_for(handler(None, job), 30) == "done, a child left running"
+    finally:
+        if pid_file.exists():
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(pid_file.read_text()), signal.SIGKILL)
 
 
 FAILS_TWICE_SCRIPT = """#!/bin/sh

@@ -570,13 +570,19 @@ def nested(depth: int) -> list:
     return value
 
 
-@pytest.mark.parametrize("refused", ["\ud800", nested(200)], ids=["a lone surrogate", "nested too deep"])
+RAISES = object()  # the handler raises an error whose message the server refuses
+
+
+@pytest.mark.parametrize("refused", ["\ud800", nested(200), RAISES],
+                         ids=["a lone surrogate", "nested too deep", "an error result with a lone surrogate"])
 def test_a_result_the_server_refuses_as_json_ends_the_item_with_an_error_saying_why(live, producer, refused):
     """Python's JSON, not the server's: the item must end, not wait out its lease and run again."""
     handled = []
 
     async def handle(payload, job):
         handled.append(payload)
+        if refused is RAISES:
+            raise ValueError("bytes read with surrogateescape: \udcff")
         return refused
 
     item = producer.post("refused", "x")
