@@ -205,6 +205,17 @@ async def test_a_waiting_claim_stops_once_its_token_is_revoked(api, queues, toke
     assert (item.status, item.attempts) == ("pending", 0)
 
 
+async def test_a_read_whose_client_left_stops_waiting_there_and_then(api, queues, tokens):
+    item_id = await post(api, tokens["all"])
+    reading, left, _ = request_that_leaves(tokens["all"], "GET", f"/api/queues/jobs/items/{item_id}", query=b"wait=60")
+    while not hub._item_waiters.get(("jobs", item_id)):  # waiting for the item to end
+        await asyncio.sleep(0.01)
+    left.set()
+    await asyncio.sleep(0.05)  # the server notices the client left
+    assert not hub._item_waiters.get(("jobs", item_id))
+    await asyncio.wait_for(reading, 10)
+
+
 async def test_a_reader_who_left_a_waiting_read_never_counts_as_the_fetch(api, queues, tokens):
     """Under retainFrom fetched, the fetch starts the clock of the item's deletion: a read whose
     client left before the item ended must not start it, or the result could go unseen."""
