@@ -592,6 +592,24 @@ def test_a_result_the_server_refuses_as_json_ends_the_item_with_an_error_saying_
     assert handled == ["x"] and producer.get("refused", item["id"])["attempts"] == 1
 
 
+def test_a_refused_result_in_a_results_frame_ends_its_item_and_the_others_go_in(live, producer):
+    """Two results go in one frame; the server refuses the frame for one (a lone surrogate): each
+    then goes in alone, the good one accepted, the bad one replaced by an error result."""
+    gate = {"event": asyncio.Event(), "started": 0}
+
+    async def handle(payload, job):
+        gate["started"] += 1
+        if gate["started"] == 2:
+            gate["event"].set()
+        await gate["event"].wait()  # both finish at once: their results go in one frame
+        return "\ud800" if payload == "bad" else payload
+
+    items = producer.post_many("refused", ["bad", "good"])
+    with working(Worker(live.url, live.token, queues=["refused"], concurrency=2), handle):
+        results = [producer.result("refused", item["id"], timeout=20) for item in items]
+    assert results[0]["error"]["type"] == "InvalidResult" and results[1] == "good"
+
+
 def recording_claims(monkeypatch) -> list[tuple[int, int, int]]:
     """Every claim the worker sends, once answered: (max, wait, how many items came)."""
     claims = []
