@@ -8,8 +8,9 @@ these errors (the result, or with retries the item's lastError until its last tr
     {"error": {"type": "InvalidOutput", "message": ..., "stdout": "<tail>", "stderr": "<tail>"}}
 
 The result is what the program printed by the time it exited: what it leaves running (a command
-put in the background) does not hold the item. The program also finds the item in its environment: TASKHOSTER_ITEM_ID, TASKHOSTER_QUEUE,
-TASKHOSTER_ATTEMPTS and TASKHOSTER_MAX_ATTEMPTS (empty when the queue has no limit).
+put in the background) does not hold the item. The program also finds the item in its
+environment: TASKHOSTER_ITEM_ID, TASKHOSTER_QUEUE, TASKHOSTER_ATTEMPTS and
+TASKHOSTER_MAX_ATTEMPTS (empty when the queue has no limit).
 """
 
 import asyncio

@@ -231,8 +231,9 @@ async def claim(request: Request, queue: str) -> Answer:
             break
         await request.until_gone(hub.wait_available(queue, min(remaining, RECHECK_SECONDS), since=posted))
     if items and request.gone:
-        # nobody will work them: hand them to the next claimant now, their try not spent (shielded:
-        # a stop that cuts this wait must not cancel a release still waiting for a store thread)
+        # nobody will work them: hand them to the next claimant now, never ending one max_attempts
+        # (shielded: a stop that cuts this wait must not cancel a release still waiting for a store
+        # thread)
         await asyncio.shield(run(store.release_items, releases=_given_back(config, items, reason="unsent")))
         items = []
     return Answer(200, {"items": claimed(items, config.max_attempts)})
