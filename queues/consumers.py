@@ -8,6 +8,7 @@ frame closes the socket: any error, expected or not, is answered with an error f
 """
 
 import asyncio
+import contextlib
 import json
 import logging
 import re
@@ -372,7 +373,8 @@ class WorkConsumer(AsyncWebsocketConsumer):
         try:
             item = await run(get_store().extend_lease, queue=name, item_id=item_id, seconds=seconds, claim_token=token)
         except NotHeld:
-            await self.tell_if_canceled(name, item_id, token)
+            with contextlib.suppress(TaskhosterError):  # an item gone or unreadable since: not_held stands
+                await self.tell_if_canceled(name, item_id, token)
             raise
         await self.answer("extended", ref, id=item_id, leaseExpiresAt=ids.iso(item.lease_expires_at))
 

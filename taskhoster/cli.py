@@ -25,6 +25,7 @@ import shutil
 import sys
 
 from .errors import TaskhosterError
+from .jobs import decode
 from .producer import Producer
 from .program import CommandUnusable, ProgramHandler
 from .worker import Worker
@@ -70,16 +71,12 @@ def _positive_seconds(text: str) -> float:
     return value
 
 
-def _reject_constant(name: str):
-    raise ValueError(f"{name} is not JSON")
-
-
 QUOTING_HINT = "a text payload is a JSON string, quoted for the shell too: taskhoster post QUEUE '\"hello\"'"
 
 
 def parse_json(text: str, what: str):
     try:
-        return json.loads(text, parse_constant=_reject_constant)
+        return decode(text)
     except ValueError as exc:
         raise UsageError(f"{what} is not valid JSON: {exc} ({QUOTING_HINT})") from None
 

@@ -4,6 +4,7 @@ functions in threads kept for them, exceptions turned into in-band error results
 import asyncio
 import inspect
 import json
+import math
 import queue
 import random
 import threading
@@ -105,6 +106,23 @@ def retry_delay(attempts: int, base: float, cap: float) -> float:
 
 # made once: json.dumps with any option makes a new encoder at every call
 _encoder = json.JSONEncoder(allow_nan=False, separators=(",", ":"))
+
+
+def decode(text: str | bytes) -> Any:
+    """JSON as the server reads it: raises ValueError for what is not, NaN, the infinities and
+    numbers too large for a float (1e999) included, which Python alone would read."""
+    return json.loads(text, parse_constant=_not_json, parse_float=_finite)
+
+
+def _not_json(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def _finite(text: str) -> float:
+    number = float(text)
+    if math.isinf(number):
+        raise ValueError(f"{text} is out of range")
+    return number
 
 
 def encode(result: Any) -> str:

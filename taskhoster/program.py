@@ -16,13 +16,12 @@ TASKHOSTER_MAX_ATTEMPTS (empty when the queue has no limit).
 import asyncio
 import errno
 import json
-import math
 import os
 import signal
 import tempfile
 from typing import Any
 
-from .jobs import HandlerFailed, Job
+from .jobs import HandlerFailed, Job, decode
 
 TAIL_CHARS = 2000
 # a command that fails to start so will fail for every item: no such file, not executable, no #!
@@ -87,7 +86,7 @@ class ProgramHandler:
                 "stderr": _tail(stderr),
             })
         try:
-            return json.loads(stdout, parse_constant=_not_json, parse_float=_finite)
+            return decode(stdout)
         except ValueError as exc:
             raise HandlerFailed({
                 "type": "InvalidOutput",
@@ -117,17 +116,6 @@ def _read_tail(file) -> bytes:
     size = file.seek(0, os.SEEK_END)
     file.seek(max(0, size - 4 * TAIL_CHARS))
     return file.read()
-
-
-def _not_json(name: str):
-    raise ValueError(f"{name} is not JSON")  # NaN and the infinities, which Python reads as numbers
-
-
-def _finite(text: str) -> float:
-    number = float(text)
-    if math.isinf(number):  # 1e999: JSON, but no number a result can hold
-        raise ValueError(f"{text} is out of range")
-    return number
 
 
 def _kill_group(pid: int) -> None:
